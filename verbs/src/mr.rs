@@ -1,0 +1,309 @@
+//! Memory regions: caller memory registered with the NIC, and owned registered buffers.
+
+use std::alloc::{self, Layout};
+use std::fmt;
+use std::mem::ManuallyDrop;
+use std::ops::BitOr;
+use std::ptr::NonNull;
+
+use crate::error::{Error, Result};
+use crate::pd::ProtectionDomain;
+use crate::sys;
+
+/// Access rights of a memory region.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct AccessFlags(u32);
+
+impl AccessFlags {
+    /// The NIC may write the region locally (needed for RECV and READ targets).
+    pub const LOCAL_WRITE: Self = Self(sys::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE);
+    /// Peers may RDMA WRITE into the region.
+    pub const REMOTE_WRITE: Self = Self(sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE);
+    /// Peers may RDMA READ from the region.
+    pub const REMOTE_READ: Self = Self(sys::ibv_access_flags::IBV_ACCESS_REMOTE_READ);
+    /// Peers may run atomics on the region.
+    pub const REMOTE_ATOMIC: Self = Self(sys::ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC);
+    /// Allow relaxed PCIe ordering (faster on some platforms).
+    pub const RELAXED_ORDERING: Self = Self(sys::ibv_access_flags::IBV_ACCESS_RELAXED_ORDERING);
+    /// Local write plus remote read and write: what a transfer buffer usually needs.
+    pub const ALL_RDMA: Self = Self(
+        sys::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE
+            | sys::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE
+            | sys::ibv_access_flags::IBV_ACCESS_REMOTE_READ,
+    );
+
+    /// The raw `ibv_access_flags` bits.
+    pub fn bits(self) -> u32 {
+        self.0
+    }
+
+    /// Whether all of `other` is set.
+    pub fn contains(self, other: Self) -> bool {
+        self.0 & other.0 == other.0
+    }
+}
+
+impl BitOr for AccessFlags {
+    type Output = Self;
+    fn bitor(self, rhs: Self) -> Self {
+        Self(self.0 | rhs.0)
+    }
+}
+
+impl fmt::Debug for AccessFlags {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let names = [
+            (Self::LOCAL_WRITE, "LOCAL_WRITE"),
+            (Self::REMOTE_WRITE, "REMOTE_WRITE"),
+            (Self::REMOTE_READ, "REMOTE_READ"),
+            (Self::REMOTE_ATOMIC, "REMOTE_ATOMIC"),
+            (Self::RELAXED_ORDERING, "RELAXED_ORDERING"),
+        ];
+        let set: Vec<_> = names
+            .iter()
+            .filter(|(f, _)| self.contains(*f))
+            .map(|(_, n)| *n)
+            .collect();
+        write!(f, "AccessFlags({})", set.join("|"))
+    }
+}
+
+/// A registered memory region (`ibv_mr`). It keeps its protection domain alive; it does **not**
+/// own the memory it covers (see [`RegisteredBuffer`] for that).
+pub struct MemoryRegion {
+    raw: NonNull<sys::ibv_mr>,
+    addr: u64,
+    len: usize,
+    lkey: u32,
+    rkey: u32,
+    _pd: ProtectionDomain,
+}
+
+// SAFETY: an `ibv_mr` is an immutable handle after registration; deregistration is thread-safe.
+unsafe impl Send for MemoryRegion {}
+// SAFETY: as above; `&MemoryRegion` only reads the cached keys.
+unsafe impl Sync for MemoryRegion {}
+
+impl fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .field("lkey", &format_args!("{:#x}", self.lkey))
+            .field("rkey", &format_args!("{:#x}", self.rkey))
+            .finish()
+    }
+}
+
+impl MemoryRegion {
+    /// Registers `len` bytes at `addr` with the NIC (`ibv_reg_mr`, iova = `addr`).
+    ///
+    /// # Safety
+    /// `addr..addr+len` must be memory of this process that stays allocated (not freed, not
+    /// unmapped) until this region is dropped **and** every work request that references it, locally
+    /// or through its rkey, has completed or been flushed. While the NIC may write it (local or
+    /// remote write access), the caller must not hold Rust references to it that assume no
+    /// concurrent modification.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for zero length; [`Error::Verb`] if registration fails (e.g.
+    /// `ENOMEM` when the memlock limit is too small, `EFAULT` for an unmapped range).
+    pub unsafe fn register_raw(
+        pd: &ProtectionDomain,
+        addr: *mut u8,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<Self> {
+        if len == 0 || addr.is_null() {
+            return Err(Error::InvalidArgument(
+                "memory region must be non-null and non-empty".into(),
+            ));
+        }
+        // SAFETY: the PD is live; the caller guarantees the range is valid for the region's
+        // lifetime (see `# Safety`).
+        let raw = unsafe {
+            sys::ibv_reg_mr_iova2(pd.as_raw(), addr.cast(), len, addr as u64, access.bits())
+        };
+        let raw = NonNull::new(raw).ok_or_else(|| Error::last_os("ibv_reg_mr"))?;
+        // SAFETY: `raw` was just returned by a successful registration and is not shared yet.
+        let (lkey, rkey) = unsafe { ((*raw.as_ptr()).lkey, (*raw.as_ptr()).rkey) };
+        tracing::debug!(addr = addr as u64, len, lkey, rkey, ?access, "registered memory region");
+        Ok(MemoryRegion {
+            raw,
+            addr: addr as u64,
+            len,
+            lkey,
+            rkey,
+            _pd: pd.clone(),
+        })
+    }
+
+    /// Start address (also the iova used by remote peers).
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region is empty (never true for a registered region).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Local key, for scatter/gather entries.
+    pub fn lkey(&self) -> u32 {
+        self.lkey
+    }
+
+    /// Remote key, for peers' RDMA READ/WRITE.
+    pub fn rkey(&self) -> u32 {
+        self.rkey
+    }
+
+    /// Whether `[addr, addr+len)` lies inside this region.
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        addr >= self.addr
+            && addr
+                .checked_add(len)
+                .is_some_and(|end| end <= self.addr + self.len as u64)
+    }
+
+    /// The raw `ibv_mr`.
+    pub fn as_raw(&self) -> *mut sys::ibv_mr {
+        self.raw.as_ptr()
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        // SAFETY: the region was registered by us and is deregistered exactly once; the PD is kept
+        // alive by `_pd`.
+        let rc = unsafe { sys::ibv_dereg_mr(self.raw.as_ptr()) };
+        if rc != 0 {
+            tracing::warn!(rc, addr = self.addr, "ibv_dereg_mr failed");
+        }
+    }
+}
+
+/// Page-aligned, zero-initialised heap memory registered with the NIC, owned by this value.
+///
+/// The region is deregistered before the memory is freed. Keep the buffer alive while work
+/// requests that reference it are outstanding (the runtime's in-flight table does this).
+pub struct RegisteredBuffer {
+    // Deregistered explicitly in `Drop`, before the memory is freed.
+    mr: ManuallyDrop<MemoryRegion>,
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: the buffer exclusively owns its allocation; the region is Send.
+unsafe impl Send for RegisteredBuffer {}
+// SAFETY: shared access only reads through `&self`; mutation needs `&mut self`.
+unsafe impl Sync for RegisteredBuffer {}
+
+impl fmt::Debug for RegisteredBuffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RegisteredBuffer")
+            .field("mr", &self.mr)
+            .finish()
+    }
+}
+
+/// Alignment of [`RegisteredBuffer`] allocations.
+pub const BUFFER_ALIGN: usize = 4096;
+
+impl RegisteredBuffer {
+    /// Allocates `len` zeroed bytes (page aligned) and registers them.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for zero length, [`Error::Verb`] if allocation or registration
+    /// fails.
+    pub fn new(pd: &ProtectionDomain, len: usize, access: AccessFlags) -> Result<Self> {
+        if len == 0 {
+            return Err(Error::InvalidArgument("buffer length must be > 0".into()));
+        }
+        let layout = Layout::from_size_align(len, BUFFER_ALIGN)
+            .map_err(|e| Error::InvalidArgument(format!("buffer of {len} bytes: {e}")))?;
+        // SAFETY: the layout has non-zero size.
+        let ptr = NonNull::new(unsafe { alloc::alloc_zeroed(layout) }).ok_or(Error::Verb {
+            verb: "alloc",
+            source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+        })?;
+        // SAFETY: the allocation is owned by the returned value and freed only after `mr` is
+        // deregistered (see `Drop`), so it outlives the registration.
+        let mr = match unsafe { MemoryRegion::register_raw(pd, ptr.as_ptr(), len, access) } {
+            Ok(mr) => mr,
+            Err(e) => {
+                // SAFETY: allocated above with the same layout and not registered.
+                unsafe { alloc::dealloc(ptr.as_ptr(), layout) };
+                return Err(e);
+            }
+        };
+        Ok(RegisteredBuffer {
+            mr: ManuallyDrop::new(mr),
+            ptr,
+            layout,
+        })
+    }
+
+    /// The memory region.
+    pub fn region(&self) -> &MemoryRegion {
+        &self.mr
+    }
+
+    /// Start address.
+    pub fn addr(&self) -> u64 {
+        self.mr.addr()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.mr.len()
+    }
+
+    /// Whether the buffer is empty (never).
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.mr.lkey()
+    }
+
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        self.mr.rkey()
+    }
+
+    /// The contents. Do not rely on them while a transfer (or a peer with remote write access)
+    /// may be writing the buffer.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` is a live, initialised allocation of `len` bytes owned by `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len()) }
+    }
+
+    /// The contents, mutably. Do not write while a transfer may be reading the buffer.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, and `&mut self` gives exclusive access on the CPU side.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len()) }
+    }
+
+    /// Raw pointer to the start.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+}
+
+impl Drop for RegisteredBuffer {
+    fn drop(&mut self) {
+        // SAFETY: `mr` is dropped exactly once, here, and never used again.
+        unsafe { ManuallyDrop::drop(&mut self.mr) };
+        // SAFETY: allocated in `RegisteredBuffer::new` with this layout; the region covering it
+        // was deregistered just above, so the NIC can no longer address it.
+        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
