@@ -103,9 +103,8 @@ impl CompletionQueue {
             .map_or(std::ptr::null_mut(), |c| c.raw.as_ptr());
         let cqe = i32::try_from(capacity).unwrap_or(i32::MAX);
         // SAFETY: the context is open; `chan_ptr` is null or a live channel of the same context.
-        let raw = unsafe {
-            sys::ibv_create_cq(ctx.as_raw(), cqe, std::ptr::null_mut(), chan_ptr, 0)
-        };
+        let raw =
+            unsafe { sys::ibv_create_cq(ctx.as_raw(), cqe, std::ptr::null_mut(), chan_ptr, 0) };
         let raw = NonNull::new(raw).ok_or_else(|| Error::last_os("ibv_create_cq"))?;
         // SAFETY: `raw` is the CQ just created; `cqe` is the actual size granted.
         let actual = unsafe { (*raw.as_ptr()).cqe };
@@ -150,7 +149,8 @@ impl CompletionQueue {
             ));
         }
         // SAFETY: the CQ is live.
-        let rc = unsafe { sys::ibv_req_notify_cq(self.inner.raw.as_ptr(), i32::from(solicited_only)) };
+        let rc =
+            unsafe { sys::ibv_req_notify_cq(self.inner.raw.as_ptr(), i32::from(solicited_only)) };
         if rc != 0 {
             return Err(Error::from_ret("ibv_req_notify_cq", rc));
         }
@@ -191,7 +191,10 @@ impl CompletionQueue {
                 if e.kind() == std::io::ErrorKind::Interrupted {
                     continue;
                 }
-                return Err(Error::Verb { verb: "poll", source: e });
+                return Err(Error::Verb {
+                    verb: "poll",
+                    source: e,
+                });
             }
             if rc == 0 {
                 return Err(Error::Timeout);
@@ -205,7 +208,11 @@ impl CompletionQueue {
         if rc != 0 {
             return Err(Error::last_os("ibv_get_cq_event"));
         }
-        debug_assert_eq!(cq, self.inner.raw.as_ptr(), "dedicated channel returned another CQ");
+        debug_assert_eq!(
+            cq,
+            self.inner.raw.as_ptr(),
+            "dedicated channel returned another CQ"
+        );
         // Acknowledge in batches: acking takes a lock in libibverbs.
         let pending = self.inner.unacked.fetch_add(1, Ordering::AcqRel) + 1;
         if pending >= 64 {

@@ -36,7 +36,9 @@ impl DeviceList {
             return match err.raw_os_error() {
                 Some(libc::ENOSYS) | Some(libc::ENODEV) | Some(libc::ENOENT) => {
                     Err(Error::NoDevice {
-                        reason: format!("ibv_get_device_list: {err} (kernel without RDMA support?)"),
+                        reason: format!(
+                            "ibv_get_device_list: {err} (kernel without RDMA support?)"
+                        ),
                     })
                 }
                 _ => Err(Error::Verb {

@@ -127,7 +127,14 @@ impl MemoryRegion {
         let raw = NonNull::new(raw).ok_or_else(|| Error::last_os("ibv_reg_mr"))?;
         // SAFETY: `raw` was just returned by a successful registration and is not shared yet.
         let (lkey, rkey) = unsafe { ((*raw.as_ptr()).lkey, (*raw.as_ptr()).rkey) };
-        tracing::debug!(addr = addr as u64, len, lkey, rkey, ?access, "registered memory region");
+        tracing::debug!(
+            addr = addr as u64,
+            len,
+            lkey,
+            rkey,
+            ?access,
+            "registered memory region"
+        );
         Ok(MemoryRegion {
             raw,
             addr: addr as u64,

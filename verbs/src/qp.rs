@@ -101,7 +101,9 @@ impl Endpoint {
         let u32_at = |i: usize| u32::from_be_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
         let psn = u32_at(4);
         if psn > 0x00ff_ffff {
-            return Err(Error::InvalidArgument(format!("PSN {psn:#x} exceeds 24 bits")));
+            return Err(Error::InvalidArgument(format!(
+                "PSN {psn:#x} exceeds 24 bits"
+            )));
         }
         let mut gid = [0u8; 16];
         gid.copy_from_slice(&b[10..26]);
@@ -243,8 +245,16 @@ impl QueuePair {
         };
         check("send queue depth", caps.max_send_wr, dev.max_qp_wr)?;
         check("receive queue depth", caps.max_recv_wr, dev.max_qp_wr)?;
-        check("send scatter/gather entries", caps.max_send_sge, dev.max_sge)?;
-        check("receive scatter/gather entries", caps.max_recv_sge, dev.max_sge)?;
+        check(
+            "send scatter/gather entries",
+            caps.max_send_sge,
+            dev.max_sge,
+        )?;
+        check(
+            "receive scatter/gather entries",
+            caps.max_recv_sge,
+            dev.max_sge,
+        )?;
         let mut attr = sys::ibv_qp_init_attr {
             send_cq: send_cq.as_raw(),
             recv_cq: recv_cq.as_raw(),

@@ -75,10 +75,17 @@ impl SendFlags {
 
     fn bits(self) -> u32 {
         use sys::ibv_send_flags as f;
-        (if self.signaled { f::IBV_SEND_SIGNALED } else { 0 })
-            | (if self.inline { f::IBV_SEND_INLINE } else { 0 })
+        (if self.signaled {
+            f::IBV_SEND_SIGNALED
+        } else {
+            0
+        }) | (if self.inline { f::IBV_SEND_INLINE } else { 0 })
             | (if self.fence { f::IBV_SEND_FENCE } else { 0 })
-            | (if self.solicited { f::IBV_SEND_SOLICITED } else { 0 })
+            | (if self.solicited {
+                f::IBV_SEND_SOLICITED
+            } else {
+                0
+            })
     }
 }
 
@@ -398,25 +405,49 @@ mod tests {
     #[test]
     fn enforces_sge_inline_and_message_limits() {
         let mut b = SendBatch::default();
-        b.push(1, SendOp::Send, &[sge(0, 1), sge(1, 1), sge(2, 1)], SendFlags::default());
-        assert!(matches!(b.check(&caps(), u32::MAX), Err(Error::Limit { requested: 3, .. })));
+        b.push(
+            1,
+            SendOp::Send,
+            &[sge(0, 1), sge(1, 1), sge(2, 1)],
+            SendFlags::default(),
+        );
+        assert!(matches!(
+            b.check(&caps(), u32::MAX),
+            Err(Error::Limit { requested: 3, .. })
+        ));
         b.clear();
         let flags = SendFlags {
             inline: true,
             ..SendFlags::default()
         };
         b.push(1, SendOp::Send, &[sge(0, 17)], flags);
-        assert!(matches!(b.check(&caps(), u32::MAX), Err(Error::Limit { requested: 17, .. })));
+        assert!(matches!(
+            b.check(&caps(), u32::MAX),
+            Err(Error::Limit { requested: 17, .. })
+        ));
         b.clear();
-        b.push(1, SendOp::Send, &[sge(0, 100), sge(100, 100)], SendFlags::default());
-        assert!(matches!(b.check(&caps(), 150), Err(Error::Limit { requested: 200, .. })));
+        b.push(
+            1,
+            SendOp::Send,
+            &[sge(0, 100), sge(100, 100)],
+            SendFlags::default(),
+        );
+        assert!(matches!(
+            b.check(&caps(), 150),
+            Err(Error::Limit { requested: 200, .. })
+        ));
         assert!(b.check(&caps(), 200).is_ok());
     }
 
     #[test]
     fn immediate_data_is_big_endian_on_the_wire() {
         let mut b = SendBatch::default();
-        b.push(9, SendOp::SendWithImm { imm: 0x0102_0304 }, &[], SendFlags::default());
+        b.push(
+            9,
+            SendOp::SendWithImm { imm: 0x0102_0304 },
+            &[],
+            SendFlags::default(),
+        );
         let head = b.link().expect("non-empty");
         // SAFETY: the list was just linked; the union holds imm_data for SEND_WITH_IMM.
         let imm = unsafe { (*head).__bindgen_anon_1.imm_data };

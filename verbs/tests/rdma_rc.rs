@@ -68,8 +68,9 @@ impl Pair {
     /// Both sides drop their QP and connect fresh ones (after an error completion).
     fn reconnect(&mut self) {
         self.ctl.send_str("reconnect");
-        self.side.qp = rixl_verbs::QueuePair::new_rc(&self.side.pd, &self.side.cq, &self.side.cq, caps())
-            .expect("new qp");
+        self.side.qp =
+            rixl_verbs::QueuePair::new_rc(&self.side.pd, &self.side.cq, &self.side.cq, caps())
+                .expect("new qp");
         drain(&self.side);
         self.side.connect(&mut self.ctl);
     }
@@ -106,7 +107,11 @@ fn scatter(size: usize, k: usize, base: usize) -> Vec<(usize, usize)> {
     let mut left = size;
     let mut off = base;
     for i in 0..k {
-        let len = if i + 1 == k { left } else { (left / (k - i)).max(1) + (i % 2) * (left / (3 * k)).min(left / (k - i)) };
+        let len = if i + 1 == k {
+            left
+        } else {
+            (left / (k - i)).max(1) + (i % 2) * (left / (3 * k)).min(left / (k - i))
+        };
         let len = len.min(left - (k - i - 1));
         pieces.push((off, len));
         off += len + 4096 + 17 * i; // leave a gap so the entries are not contiguous
@@ -179,7 +184,10 @@ fn write_and_read_scattered_sge_lists_1b_to_8mib() {
         for &(off, len) in &pieces {
             let local = &p.buf.as_slice()[off..off + len];
             assert!(
-                local.iter().enumerate().all(|(i, &b)| b == pattern(rseed, at + i)),
+                local
+                    .iter()
+                    .enumerate()
+                    .all(|(i, &b)| b == pattern(rseed, at + i)),
                 "READ of {size} B: piece at {off} differs"
             );
             at += len;
@@ -195,7 +203,8 @@ fn write_and_read_scattered_sge_lists_1b_to_8mib() {
 
 #[test]
 fn send_recv_and_write_with_imm_deliver_data_and_immediates() {
-    let Some(ctx) = device_or_skip("send_recv_and_write_with_imm_deliver_data_and_immediates") else {
+    let Some(ctx) = device_or_skip("send_recv_and_write_with_imm_deliver_data_and_immediates")
+    else {
         return;
     };
     let mut p = Pair::open(&ctx);
@@ -231,7 +240,10 @@ fn send_recv_and_write_with_imm_deliver_data_and_immediates() {
             .iter()
             .flat_map(|&(off, len)| p.buf.as_slice()[off..off + len].to_vec())
             .collect();
-        assert!(p.remote_bytes((i * 65_536) as u64, sizes[i]) == expect, "SEND {i} payload");
+        assert!(
+            p.remote_bytes((i * 65_536) as u64, sizes[i]) == expect,
+            "SEND {i} payload"
+        );
     }
 
     // An inline SEND (payload copied into the WQE).
@@ -264,7 +276,11 @@ fn send_recv_and_write_with_imm_deliver_data_and_immediates() {
     p.ctl.send_str("wait 1");
     let line = p.ctl.recv_str();
     let f: Vec<&str> = line.split_whitespace().collect();
-    assert_eq!(&f[1..], ["IBV_WC_SUCCESS", "RecvRdmaWithImm", "8192", "0xdeadbeef"], "{line}");
+    assert_eq!(
+        &f[1..],
+        ["IBV_WC_SUCCESS", "RecvRdmaWithImm", "8192", "0xdeadbeef"],
+        "{line}"
+    );
     let expect: Vec<u8> = scatter(8192, 2, 0)
         .iter()
         .flat_map(|&(off, len)| p.buf.as_slice()[off..off + len].to_vec())
@@ -275,7 +291,8 @@ fn send_recv_and_write_with_imm_deliver_data_and_immediates() {
 
 #[test]
 fn bad_keys_and_out_of_range_addresses_complete_with_errors() {
-    let Some(ctx) = device_or_skip("bad_keys_and_out_of_range_addresses_complete_with_errors") else {
+    let Some(ctx) = device_or_skip("bad_keys_and_out_of_range_addresses_complete_with_errors")
+    else {
         return;
     };
     let mut p = Pair::open(&ctx);
@@ -348,7 +365,9 @@ fn bad_keys_and_out_of_range_addresses_complete_with_errors() {
         &one,
         SendFlags::SIGNALED,
     );
-    p.side.wait(1, TIMEOUT)[0].result().expect("write after errors");
+    p.side.wait(1, TIMEOUT)[0]
+        .result()
+        .expect("write after errors");
     assert!(p.remote_bytes(0, 256) == p.buf.as_slice()[..256]);
     p.finish();
 }
@@ -384,7 +403,9 @@ fn moving_a_queue_pair_to_error_flushes_outstanding_work() {
     let wcs = p.side.wait(96, TIMEOUT);
     let recvs: Vec<_> = wcs.iter().filter(|w| w.wr_id() >= 1000).collect();
     assert_eq!(recvs.len(), 32);
-    assert!(recvs.iter().all(|w| w.status() == WcStatus::WorkRequestFlushError));
+    assert!(recvs
+        .iter()
+        .all(|w| w.status() == WcStatus::WorkRequestFlushError));
     let writes: Vec<_> = wcs.iter().filter(|w| w.wr_id() < 1000).collect();
     assert_eq!(writes.len(), 64);
     let flushed = writes
@@ -392,9 +413,10 @@ fn moving_a_queue_pair_to_error_flushes_outstanding_work() {
         .filter(|w| w.status() == WcStatus::WorkRequestFlushError)
         .count();
     assert!(
-        writes
-            .iter()
-            .all(|w| matches!(w.status(), WcStatus::Success | WcStatus::WorkRequestFlushError)),
+        writes.iter().all(|w| matches!(
+            w.status(),
+            WcStatus::Success | WcStatus::WorkRequestFlushError
+        )),
         "writes end in success or flush"
     );
     let _ = std::io::Write::write_all(
@@ -403,10 +425,18 @@ fn moving_a_queue_pair_to_error_flushes_outstanding_work() {
     );
     // Posting to a QP in error is accepted and completes flushed too (never hangs).
     let mut b = SendBatch::default();
-    b.push(7, SendOp::Send, &sges(&p.buf, &[(0, 8)]), SendFlags::SIGNALED);
+    b.push(
+        7,
+        SendOp::Send,
+        &sges(&p.buf, &[(0, 8)]),
+        SendFlags::SIGNALED,
+    );
     // SAFETY: as above.
     unsafe { p.side.qp.post_send(&mut b) }.expect("post after error");
-    assert_eq!(p.side.wait(1, TIMEOUT)[0].status(), WcStatus::WorkRequestFlushError);
+    assert_eq!(
+        p.side.wait(1, TIMEOUT)[0].status(),
+        WcStatus::WorkRequestFlushError
+    );
     assert!(matches!(
         p.side.qp.to_rts(0, &common::connect_options()),
         Err(Error::InvalidTransition { .. })
@@ -416,7 +446,8 @@ fn moving_a_queue_pair_to_error_flushes_outstanding_work() {
 
 #[test]
 fn ten_thousand_work_requests_complete_without_cq_overflow() {
-    let Some(ctx) = device_or_skip("ten_thousand_work_requests_complete_without_cq_overflow") else {
+    let Some(ctx) = device_or_skip("ten_thousand_work_requests_complete_without_cq_overflow")
+    else {
         return;
     };
     let mut p = Pair::open(&ctx);
@@ -445,7 +476,7 @@ fn ten_thousand_work_requests_complete_without_cq_overflow() {
             && posted - completed_wrs + batch.len() < sq_depth
         {
             let i = posted + batch.len();
-            let signaled = (i + 1) % SIGNAL_EVERY == 0 || i + 1 == N;
+            let signaled = (i + 1).is_multiple_of(SIGNAL_EVERY) || i + 1 == N;
             if signaled && signaled_outstanding + sig_in_batch + 1 > cq_cap {
                 break;
             }
@@ -483,7 +514,10 @@ fn ten_thousand_work_requests_complete_without_cq_overflow() {
             signaled_outstanding -= 1;
             signaled_seen += 1;
         }
-        assert!(std::time::Instant::now() < deadline, "stalled at {completed_wrs}/{N}");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "stalled at {completed_wrs}/{N}"
+        );
     }
     assert_eq!(signaled_seen, N.div_ceil(SIGNAL_EVERY));
     assert!(max_sq <= sq_depth && max_cq <= cq_cap);
@@ -491,8 +525,10 @@ fn ten_thousand_work_requests_complete_without_cq_overflow() {
     assert!(got == p.buf.as_slice()[..N * MSG], "10 000 writes landed");
     let _ = std::io::Write::write_all(
         &mut std::io::stderr(),
-        format!("10k WRs: max SQ occupancy {max_sq}/{sq_depth}, max CQ occupancy {max_cq}/{cq_cap}\n")
-            .as_bytes(),
+        format!(
+            "10k WRs: max SQ occupancy {max_sq}/{sq_depth}, max CQ occupancy {max_cq}/{cq_cap}\n"
+        )
+        .as_bytes(),
     );
     p.finish();
 }
@@ -503,11 +539,17 @@ fn missing_devices_are_typed_errors() {
         Err(e) => assert!(e.is_no_device(), "unexpected error: {e}"),
         Ok(list) => {
             let err = list.find(Some("no-such-device")).expect_err("bogus name");
-            assert!(matches!(err, Error::DeviceNotFound { .. } | Error::NoDevice { .. }));
+            assert!(matches!(
+                err,
+                Error::DeviceNotFound { .. } | Error::NoDevice { .. }
+            ));
         }
     }
     let err = Context::open(Some("no-such-device")).expect_err("bogus name");
-    assert!(matches!(err, Error::DeviceNotFound { .. } | Error::NoDevice { .. }), "{err}");
+    assert!(
+        matches!(err, Error::DeviceNotFound { .. } | Error::NoDevice { .. }),
+        "{err}"
+    );
 }
 
 /// The target peer: registers a buffer, announces it, connects, then serves commands.
@@ -538,11 +580,13 @@ fn peer_process() {
                 ctl.send_str("ok");
             }
             ["get", off, len] => {
-                let (off, len): (usize, usize) = (off.parse().expect("off"), len.parse().expect("len"));
+                let (off, len): (usize, usize) =
+                    (off.parse().expect("off"), len.parse().expect("len"));
                 ctl.send(&buf.as_slice()[off..off + len]);
             }
             ["recv", n, size] => {
-                let (n, size): (usize, usize) = (n.parse().expect("n"), size.parse().expect("size"));
+                let (n, size): (usize, usize) =
+                    (n.parse().expect("n"), size.parse().expect("size"));
                 let mut r = RecvBatch::default();
                 for i in 0..n {
                     let sge = Sge {
@@ -550,7 +594,14 @@ fn peer_process() {
                         length: size as u32,
                         lkey: buf.lkey(),
                     };
-                    r.push(i as u64, if size == 0 { &[] } else { std::slice::from_ref(&sge) });
+                    r.push(
+                        i as u64,
+                        if size == 0 {
+                            &[]
+                        } else {
+                            std::slice::from_ref(&sge)
+                        },
+                    );
                 }
                 // SAFETY: receives target `buf`, which lives until this process exits.
                 unsafe { side.qp.post_recv(&mut r) }.expect("post receives");

@@ -79,15 +79,19 @@ pub fn spawn_peer(peer_test: &str, scenario: &str) -> (Child, Control) {
     let port = listener.local_addr().expect("addr").port();
     let exe = std::env::current_exe().expect("current exe");
     let child = Command::new(exe)
-        .args([peer_test, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            peer_test,
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("RIXL_PEER_PORT", port.to_string())
         .env("RIXL_PEER_SCENARIO", scenario)
         .stdin(Stdio::null())
         .spawn()
         .expect("spawn peer process");
-    listener
-        .set_nonblocking(false)
-        .expect("blocking listener");
+    listener.set_nonblocking(false).expect("blocking listener");
     let (stream, _) = listener.accept().expect("peer connects back");
     stream.set_nodelay(true).ok();
     (child, Control(stream))
@@ -162,7 +166,8 @@ impl Side {
 
 /// Deterministic test pattern byte for `(seed, offset)`.
 pub fn pattern(seed: u64, off: usize) -> u8 {
-    let x = (off as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed.wrapping_mul(0xd6e8_feb8_6659_fd93);
+    let x =
+        (off as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed.wrapping_mul(0xd6e8_feb8_6659_fd93);
     (x >> 29) as u8 ^ (off as u8)
 }
 
