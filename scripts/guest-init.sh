@@ -14,7 +14,7 @@ fail() { say "FAILED: $*"; echo "RIXL-GUEST-RESULT: setup-failed"; sync; powerof
 job=$(tr ' ' '\n' </proc/cmdline | sed -n 's/^rixl.job=//p')
 idx=$(tr ' ' '\n' </proc/cmdline | sed -n 's/^rixl.index=//p')
 
-for m in virtio_pci 9pnet_virtio 9p udp_tunnel ip6_udp_tunnel crc32_generic ib_core ib_uverbs rdma_rxe dummy; do
+for m in virtio_pci 9pnet_virtio 9p udp_tunnel ip6_udp_tunnel crc32_generic ib_core ib_uverbs rdma_rxe dummy virtio_net; do
   modprobe "$m" || fail "modprobe $m"
 done
 
@@ -36,7 +36,6 @@ RUN() { chroot $H "$@"; }
 RUN $IP link set lo up
 if [ -e /sys/class/net/eth0 ]; then
   # Two-guest mode: rxe on the emulated wire.
-  modprobe virtio_net 2>/dev/null
   addr=10.77.0.$((idx + 1)); peer=10.77.0.$((2 - idx))
   RUN $IP link set eth0 mtu 1500 up
   RUN $IP addr add $addr/24 dev eth0
