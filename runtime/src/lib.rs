@@ -1,2 +1,10 @@
+//! `rixl-runtime`: thread-per-core engines that turn RDMA completions into futures.
 #![forbid(unsafe_code)]
-//! `rixl-runtime`: thread-per-core engines turning RDMA completions into futures.
+
+pub mod desc;
+pub mod error;
+pub mod inflight;
+pub mod plan;
+
+pub use desc::{LocalDesc, LocalDescList, Op, Region, RemoteDesc, RemoteDescList};
+pub use error::{InvalidDescriptor, RuntimeError, TransferError};

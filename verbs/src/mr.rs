@@ -299,6 +299,49 @@ impl RegisteredBuffer {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len()) }
     }
 
+    /// Copies `src` into the buffer at `offset`, through a raw pointer (no reference to the
+    /// buffer is formed, so this may be used while the buffer is shared).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the range is outside the buffer.
+    pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
+        self.check_range(offset, src.len())?;
+        // SAFETY: the range is inside the live allocation (checked); `src` cannot overlap it since
+        // it is a separate Rust borrow; concurrent NIC access is the caller's protocol concern, as
+        // for any DMA memory.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len())
+        };
+        Ok(())
+    }
+
+    /// Copies `dst.len()` bytes starting at `offset` out of the buffer.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if the range is outside the buffer.
+    pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        self.check_range(offset, dst.len())?;
+        // SAFETY: as in `write_at`, with source and destination swapped.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                dst.as_mut_ptr(),
+                dst.len(),
+            )
+        };
+        Ok(())
+    }
+
+    fn check_range(&self, offset: usize, len: usize) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len() => Ok(()),
+            _ => Err(Error::InvalidArgument(format!(
+                "range {offset}+{len} outside a buffer of {} bytes",
+                self.len()
+            ))),
+        }
+    }
+
     /// Raw pointer to the start.
     pub fn as_ptr(&self) -> *mut u8 {
         self.ptr.as_ptr()

@@ -1,0 +1,216 @@
+//! Registered regions and descriptor lists.
+
+use std::fmt;
+use std::sync::Arc;
+
+use rixl_verbs::RegisteredBuffer;
+
+/// Registered memory owned by an engine. Cheap to clone; the memory stays registered until the
+/// last clone is dropped **and** no in-flight transfer uses it (the in-flight table holds clones).
+#[derive(Clone)]
+pub struct Region {
+    inner: Arc<RegionInner>,
+}
+
+struct RegionInner {
+    buf: RegisteredBuffer,
+    engine: u64,
+}
+
+impl fmt::Debug for Region {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Region")
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.len())
+            .field("rkey", &format_args!("{:#x}", self.rkey()))
+            .finish()
+    }
+}
+
+impl Region {
+    pub(crate) fn new(buf: RegisteredBuffer, engine: u64) -> Self {
+        Region {
+            inner: Arc::new(RegionInner { buf, engine }),
+        }
+    }
+
+    /// Start address (the iova peers use).
+    pub fn addr(&self) -> u64 {
+        self.inner.buf.addr()
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> u64 {
+        self.inner.buf.len() as u64
+    }
+
+    /// Whether the region is empty (never).
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.inner.buf.lkey()
+    }
+
+    /// Remote key, to give to peers that may access this region.
+    pub fn rkey(&self) -> u32 {
+        self.inner.buf.rkey()
+    }
+
+    /// A remote descriptor for `len` bytes at `offset`, as a peer would use it.
+    pub fn remote(&self, offset: u64, len: u64) -> RemoteDesc {
+        RemoteDesc {
+            addr: self.addr().wrapping_add(offset),
+            len,
+            rkey: self.rkey(),
+        }
+    }
+
+    /// Copies `src` into the region at `offset`.
+    ///
+    /// # Errors
+    /// If the range is outside the region.
+    pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<(), rixl_verbs::Error> {
+        self.inner
+            .buf
+            .write_at(usize::try_from(offset).unwrap_or(usize::MAX), src)
+    }
+
+    /// Copies bytes at `offset` out of the region.
+    ///
+    /// # Errors
+    /// If the range is outside the region.
+    pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), rixl_verbs::Error> {
+        self.inner
+            .buf
+            .read_at(usize::try_from(offset).unwrap_or(usize::MAX), dst)
+    }
+
+    /// Id of the engine (protection domain) this region is registered with.
+    pub fn engine_id(&self) -> u64 {
+        self.inner.engine
+    }
+
+    /// Whether two handles are the same registration.
+    pub fn same(&self, other: &Region) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
+    /// Number of live handles (including those held by in-flight transfers).
+    pub fn handle_count(&self) -> usize {
+        Arc::strong_count(&self.inner)
+    }
+}
+
+/// One local descriptor: `len` bytes at `offset` of region number `region` of its list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalDesc {
+    /// Index into the list's regions.
+    pub region: u32,
+    /// Offset into the region.
+    pub offset: u64,
+    /// Length in bytes.
+    pub len: u64,
+}
+
+/// A list of local descriptors over one or more registered regions.
+#[derive(Debug, Clone, Default)]
+pub struct LocalDescList {
+    regions: Vec<Region>,
+    descs: Vec<LocalDesc>,
+}
+
+impl LocalDescList {
+    /// An empty list.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// An empty list with room for `n` descriptors.
+    pub fn with_capacity(n: usize) -> Self {
+        LocalDescList {
+            regions: Vec::with_capacity(1),
+            descs: Vec::with_capacity(n),
+        }
+    }
+
+    /// Appends `len` bytes at `offset` of `region`. Ranges are validated when the transfer is made.
+    pub fn push(&mut self, region: &Region, offset: u64, len: u64) {
+        let idx = match self.regions.iter().rposition(|r| r.same(region)) {
+            Some(i) => i,
+            None => {
+                self.regions.push(region.clone());
+                self.regions.len() - 1
+            }
+        };
+        self.descs.push(LocalDesc {
+            region: u32::try_from(idx).unwrap_or(u32::MAX),
+            offset,
+            len,
+        });
+    }
+
+    /// The descriptors.
+    pub fn descs(&self) -> &[LocalDesc] {
+        &self.descs
+    }
+
+    /// The regions the descriptors refer to.
+    pub fn regions(&self) -> &[Region] {
+        &self.regions
+    }
+
+    /// Number of descriptors.
+    pub fn len(&self) -> usize {
+        self.descs.len()
+    }
+
+    /// Whether the list is empty.
+    pub fn is_empty(&self) -> bool {
+        self.descs.is_empty()
+    }
+
+    /// Sum of the lengths (saturating).
+    pub fn total_len(&self) -> u64 {
+        self.descs.iter().fold(0u64, |a, d| a.saturating_add(d.len))
+    }
+}
+
+/// One remote descriptor: `len` bytes at the peer's `addr`, accessible under `rkey`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteDesc {
+    /// Remote start address.
+    pub addr: u64,
+    /// Length in bytes.
+    pub len: u64,
+    /// Remote key.
+    pub rkey: u32,
+}
+
+/// A list of remote descriptors.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RemoteDescList(pub Vec<RemoteDesc>);
+
+impl RemoteDescList {
+    /// Sum of the lengths (saturating).
+    pub fn total_len(&self) -> u64 {
+        self.0.iter().fold(0u64, |a, d| a.saturating_add(d.len))
+    }
+}
+
+impl FromIterator<RemoteDesc> for RemoteDescList {
+    fn from_iter<I: IntoIterator<Item = RemoteDesc>>(iter: I) -> Self {
+        RemoteDescList(iter.into_iter().collect())
+    }
+}
+
+/// Direction of a one-sided transfer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Op {
+    /// Local → remote (RDMA WRITE).
+    Write,
+    /// Remote → local (RDMA READ).
+    Read,
+}
