@@ -88,6 +88,10 @@ impl Region {
             .read_at(usize::try_from(offset).unwrap_or(usize::MAX), dst)
     }
 
+    pub(crate) fn buffer(&self) -> &RegisteredBuffer {
+        &self.inner.buf
+    }
+
     /// Id of the engine (protection domain) this region is registered with.
     pub fn engine_id(&self) -> u64 {
         self.inner.engine

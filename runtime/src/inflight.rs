@@ -1,7 +1,7 @@
 //! The in-flight table (pure logic): one slab slot per transfer, addressed by the `wr_id` of
 //! every work request it posts.
 //!
-//! `wr_id` = `signaled` (bit 63) | generation (bits 32..63) | slot key (bits 0..32). Stale
+//! `wr_id` = `signaled` (bit 63) | generation (bits 32..62) | slot key (bits 0..32). Stale
 //! generations (a completion for a slot that was already freed and reused) are ignored.
 //! The slot, not the future, owns the transfer's keep-alive (its registered regions): a future that
 //! is dropped or forgotten only detaches; the slot and its regions live until every signaled work
@@ -14,7 +14,8 @@ use slab::Slab;
 use crate::error::TransferError;
 
 const SIGNALED_BIT: u64 = 1 << 63;
-const GEN_MASK: u32 = 0x7fff_ffff;
+// 30 bits: bit 62 marks receive work requests (see the engine).
+const GEN_MASK: u32 = 0x3fff_ffff;
 
 /// Encodes a work request id.
 pub fn encode_wr_id(key: u32, generation: u32, signaled: bool) -> u64 {
@@ -37,7 +38,7 @@ pub fn decode_wr_id(wr_id: u64) -> (u32, u32, bool) {
 pub struct SlotId {
     /// Slab key.
     pub key: u32,
-    /// Generation (31 bits).
+    /// Generation (30 bits).
     pub generation: u32,
 }
 

@@ -8,3 +8,13 @@ pub mod plan;
 
 pub use desc::{LocalDesc, LocalDescList, Op, Region, RemoteDesc, RemoteDescList};
 pub use error::{InvalidDescriptor, RuntimeError, TransferError};
+pub mod engine;
+
+pub use engine::{
+    ConnId, Engine, EngineConfig, EngineCounters, Message, PollMode, TransferOptions,
+    TransferStats,
+};
+pub mod handle;
+pub mod preflight;
+
+pub use handle::{available_cpus, EngineHandle, EnginePool, DEFAULT_IO_MEMORY};

@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 use crate::mr::AccessFlags;
 use crate::pd::ProtectionDomain;
 use crate::sys;
+use crate::mr::RegisteredBuffer;
 use crate::wr::{RecvBatch, SendBatch};
 
 /// The state of a queue pair.
@@ -556,6 +557,34 @@ impl QueuePair {
             });
         }
         Ok(())
+    }
+
+    /// Safe posting: every local entry must lie inside one of `buffers` under its lkey (checked;
+    /// nothing is posted otherwise). A [`RegisteredBuffer`] deregisters its region before freeing
+    /// its memory, and deregistration fences the NIC, so even if a buffer is dropped before the
+    /// request completes the NIC never touches freed memory: the request fails with an error
+    /// completion instead. Keep buffers alive until completion to get the data moved.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the first entry outside `buffers`; otherwise as
+    /// [`Self::post_send`].
+    pub fn post_send_in(&self, batch: &mut SendBatch, buffers: &[&RegisteredBuffer]) -> Result<()> {
+        batch.check_inside(buffers)?;
+        // SAFETY: every entry lies inside a live RegisteredBuffer (checked above); such a buffer
+        // deregisters before it frees its memory, so the NIC cannot reach freed memory through
+        // these entries (see the method docs).
+        unsafe { self.post_send(batch) }
+    }
+
+    /// Safe posting of receives into `buffers` (see [`Self::post_send_in`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] naming the first entry outside `buffers`; otherwise as
+    /// [`Self::post_recv`].
+    pub fn post_recv_in(&self, batch: &mut RecvBatch, buffers: &[&RegisteredBuffer]) -> Result<()> {
+        batch.check_inside(buffers)?;
+        // SAFETY: as in `post_send_in`.
+        unsafe { self.post_recv(batch) }
     }
 
     /// The raw `ibv_qp`.

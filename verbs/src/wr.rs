@@ -1,6 +1,7 @@
 //! Work requests, built into reusable batches that are posted with one doorbell.
 
 use crate::error::{Error, Result};
+use crate::mr::RegisteredBuffer;
 use crate::qp::QueuePairCapabilities;
 use crate::sys;
 
@@ -181,6 +182,10 @@ impl SendBatch {
         self.spans.clear();
     }
 
+    pub(crate) fn check_inside(&self, buffers: &[&RegisteredBuffer]) -> Result<()> {
+        sges_inside(&self.sges, buffers)
+    }
+
     pub(crate) fn check(&self, caps: &QueuePairCapabilities, max_msg: u32) -> Result<()> {
         for (i, &(_, n, total)) in self.spans.iter().enumerate() {
             if n as u64 > u64::from(caps.max_send_sge) {
@@ -251,6 +256,21 @@ impl SendBatch {
     }
 }
 
+fn sges_inside(sges: &[sys::ibv_sge], buffers: &[&RegisteredBuffer]) -> Result<()> {
+    for (i, s) in sges.iter().enumerate() {
+        let inside = buffers.iter().any(|b| {
+            b.lkey() == s.lkey && b.region().contains(s.addr, u64::from(s.length))
+        });
+        if !inside {
+            return Err(Error::InvalidArgument(format!(
+                "scatter/gather entry {i} ({:#x}+{}, lkey {:#x}) is not inside the given buffers",
+                s.addr, s.length, s.lkey
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// A reusable list of receive work requests.
 #[derive(Default)]
 pub struct RecvBatch {
@@ -298,6 +318,10 @@ impl RecvBatch {
         self.wrs.clear();
         self.sges.clear();
         self.spans.clear();
+    }
+
+    pub(crate) fn check_inside(&self, buffers: &[&RegisteredBuffer]) -> Result<()> {
+        sges_inside(&self.sges, buffers)
     }
 
     pub(crate) fn check(&self, caps: &QueuePairCapabilities) -> Result<()> {

@@ -1,35 +1,19 @@
-//! Shared pieces of the RDMA integration tests: device discovery with honest skipping, a peer
-//! process (this same test binary re-executed), and a tiny framed TCP control channel.
+//! Verbs-level pieces of the RDMA integration tests (generic ones live in `rixl-testkit`).
 #![allow(dead_code)]
 
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+pub use rixl_testkit::{fill, pattern, peer_control, spawn_peer, Control};
 
 use rixl_verbs::{
     CompletionQueue, ConnectOptions, Context, Endpoint, ProtectionDomain, QueuePair,
     QueuePairCapabilities, WorkCompletion,
 };
 
-/// Opens the RDMA device for a test, or explains on stderr why the test is skipped. When
-/// `RIXL_REQUIRE_RDMA=1` (the guest suite sets it) a missing device fails the test instead.
+/// Opens the RDMA device for a test, or explains why the test is skipped.
 pub fn device_or_skip(test: &str) -> Option<Context> {
     let name = std::env::var("RIXL_RDMA_DEVICE").ok();
-    match Context::open(name.as_deref()) {
-        Ok(ctx) => Some(ctx),
-        Err(e) => {
-            if std::env::var("RIXL_REQUIRE_RDMA").as_deref() == Ok("1") {
-                panic!("{test}: RDMA required but unavailable: {e}");
-            }
-            // Written straight to stderr so libtest's capture does not hide it.
-            let _ = writeln!(
-                std::io::stderr(),
-                "SKIPPED {test}: no RDMA device ({e}); run it in the rxe guest: scripts/rdma-suite"
-            );
-            None
-        }
-    }
+    rixl_testkit::require_or_skip(test, || Context::open(name.as_deref()))
 }
 
 /// Connection options from the environment (`RIXL_GID_INDEX`, default 1 = RoCEv2 IPv4 on rxe).
@@ -43,68 +27,6 @@ pub fn connect_options() -> ConnectOptions {
     o.timeout = 12;
     o.retry_cnt = 3;
     o
-}
-
-/// A framed control channel (u32 length + bytes).
-pub struct Control(pub TcpStream);
-
-impl Control {
-    pub fn send(&mut self, bytes: &[u8]) {
-        let len = u32::try_from(bytes.len()).expect("frame too large");
-        self.0.write_all(&len.to_be_bytes()).expect("control write");
-        self.0.write_all(bytes).expect("control write");
-    }
-
-    pub fn recv(&mut self) -> Vec<u8> {
-        let mut len = [0u8; 4];
-        self.0.read_exact(&mut len).expect("control read");
-        let mut buf = vec![0u8; u32::from_be_bytes(len) as usize];
-        self.0.read_exact(&mut buf).expect("control read");
-        buf
-    }
-
-    pub fn send_str(&mut self, s: &str) {
-        self.send(s.as_bytes());
-    }
-
-    pub fn recv_str(&mut self) -> String {
-        String::from_utf8(self.recv()).expect("utf8 frame")
-    }
-}
-
-/// Spawns this test binary again as the peer: it runs the ignored test `peer_test` with
-/// `RIXL_PEER_PORT` set, and connects back to the returned listener.
-pub fn spawn_peer(peer_test: &str, scenario: &str) -> (Child, Control) {
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind control listener");
-    let port = listener.local_addr().expect("addr").port();
-    let exe = std::env::current_exe().expect("current exe");
-    let child = Command::new(exe)
-        .args([
-            peer_test,
-            "--exact",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("RIXL_PEER_PORT", port.to_string())
-        .env("RIXL_PEER_SCENARIO", scenario)
-        .stdin(Stdio::null())
-        .spawn()
-        .expect("spawn peer process");
-    listener.set_nonblocking(false).expect("blocking listener");
-    let (stream, _) = listener.accept().expect("peer connects back");
-    stream.set_nodelay(true).ok();
-    (child, Control(stream))
-}
-
-/// In the peer process: the control channel to the parent, or `None` when this process is not a
-/// peer (the peer entry test then returns at once).
-pub fn peer_control() -> Option<(Control, String)> {
-    let port: u16 = std::env::var("RIXL_PEER_PORT").ok()?.parse().ok()?;
-    let scenario = std::env::var("RIXL_PEER_SCENARIO").unwrap_or_default();
-    let s = TcpStream::connect(("127.0.0.1", port)).expect("connect to parent");
-    s.set_nodelay(true).ok();
-    Some((Control(s), scenario))
 }
 
 /// One side of an RC connection: PD, CQ (send and receive share it), QP.
@@ -164,15 +86,3 @@ impl Side {
     }
 }
 
-/// Deterministic test pattern byte for `(seed, offset)`.
-pub fn pattern(seed: u64, off: usize) -> u8 {
-    let x =
-        (off as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed.wrapping_mul(0xd6e8_feb8_6659_fd93);
-    (x >> 29) as u8 ^ (off as u8)
-}
-
-pub fn fill(buf: &mut [u8], seed: u64) {
-    for (i, b) in buf.iter_mut().enumerate() {
-        *b = pattern(seed, i);
-    }
-}

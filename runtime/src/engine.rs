@@ -1,0 +1,1161 @@
+//! The per-core engine: owns its device context, PD, CQ and queue pairs; a progress task reaps
+//! completions and wakes the transfer futures. Everything here is `!Send` and lock-free: it lives
+//! on one glommio executor. Use [`crate::EngineHandle`] to submit from other threads.
+
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, VecDeque};
+use std::future::poll_fn;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::task::{Poll, Waker};
+use std::time::{Duration, Instant};
+
+use rixl_verbs::{
+    AccessFlags, CompletionQueue, ConnectOptions, Context, DeviceAttributes, Endpoint,
+    ProtectionDomain, QueuePair, QueuePairCapabilities, RecvBatch, RegisteredBuffer, SendBatch,
+    SendFlags, SendOp, Sge, WcOpcode, WorkCompletion,
+};
+use slab::Slab;
+use tracing::Instrument;
+
+use crate::desc::{LocalDescList, Op, Region, RemoteDescList};
+use crate::error::{InvalidDescriptor, RuntimeError, TransferError};
+use crate::inflight::{InflightTable, Routed, SlotId};
+use crate::plan::{self, Limits, Plan, RegionInfo};
+
+/// How the progress task waits for completions while work is in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum PollMode {
+    /// Poll the CQ, yielding to other tasks between polls (lowest latency; the core is busy only
+    /// while work is in flight).
+    #[default]
+    Busy,
+    /// Arm the CQ and wait for its completion event off the core (glommio's blocking pool); for
+    /// latency-insensitive users who want no spinning at all.
+    Event,
+}
+
+/// Engine configuration.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct EngineConfig {
+    /// RDMA device name (`None`: the first device).
+    pub device: Option<String>,
+    /// Port and GID index, and the QP transport parameters.
+    pub connect: ConnectOptions,
+    /// Send queue depth of each connection.
+    pub send_queue_depth: u32,
+    /// Receive buffers posted per connection for SEND / WRITE_WITH_IMM messages.
+    pub recv_buffers: u32,
+    /// Largest message `send` carries (size of each receive buffer).
+    pub max_message: u32,
+    /// Most connections; the CQ is sized so it can never overflow with all of them full.
+    pub max_connections: u32,
+    /// Signal at least every this many work requests (and the last of every batch).
+    pub signal_interval: u32,
+    /// Most work requests posted with one doorbell.
+    pub post_batch: u32,
+    /// Completions reaped per poll.
+    pub poll_batch: usize,
+    /// Busy or event polling.
+    pub poll_mode: PollMode,
+    /// Default deadline of a transfer.
+    pub transfer_timeout: Duration,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        let mut connect = ConnectOptions::default();
+        connect.gid_index = 1;
+        EngineConfig {
+            device: None,
+            connect,
+            send_queue_depth: 512,
+            recv_buffers: 64,
+            max_message: 4096,
+            max_connections: 16,
+            signal_interval: 32,
+            post_batch: 64,
+            poll_batch: 32,
+            poll_mode: PollMode::Busy,
+            transfer_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Device and GID index from `RIXL_RDMA_DEVICE` / `RIXL_GID_INDEX` when set.
+    pub fn from_env() -> Self {
+        let mut c = Self::default();
+        c.device = std::env::var("RIXL_RDMA_DEVICE").ok();
+        if let Some(g) = std::env::var("RIXL_GID_INDEX").ok().and_then(|v| v.parse().ok()) {
+            c.connect.gid_index = g;
+        }
+        c
+    }
+}
+
+/// Per-transfer options.
+#[derive(Debug, Clone, Copy, Default)]
+#[non_exhaustive]
+pub struct TransferOptions {
+    /// Deadline; `None` uses the engine's `transfer_timeout`.
+    pub timeout: Option<Duration>,
+    /// Deliver this immediate value to the peer after all data landed (the last work request
+    /// becomes an RDMA WRITE_WITH_IMM; WRITE only). The peer sees it from
+    /// [`Engine::recv`] as [`Message::Immediate`].
+    pub notify_imm: Option<u32>,
+}
+
+/// What a finished transfer did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct TransferStats {
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Descriptors in the local list.
+    pub descriptors: usize,
+    /// Work requests posted.
+    pub work_requests: usize,
+    /// Doorbells rung (post calls).
+    pub doorbells: usize,
+    /// Time to validate and plan.
+    pub prepare: Duration,
+    /// Time from the first to the last post.
+    pub post: Duration,
+    /// Total time of the future.
+    pub total: Duration,
+}
+
+/// Counters of one engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct EngineCounters {
+    /// CQ polls that returned completions.
+    pub polls: u64,
+    /// Completions reaped.
+    pub completions: u64,
+    /// CQ polls that returned nothing.
+    pub empty_polls: u64,
+    /// Times the progress task parked (nothing in flight).
+    pub parks: u64,
+    /// Completion events waited for (event mode).
+    pub event_waits: u64,
+    /// Completions for freed slots (ignored).
+    pub stale_completions: u64,
+    /// Transfers that completed successfully.
+    pub transfers_ok: u64,
+    /// Transfers that failed.
+    pub transfers_failed: u64,
+    /// Work requests posted.
+    pub work_requests: u64,
+    /// Doorbells rung.
+    pub doorbells: u64,
+}
+
+/// Identifies a connection of an engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ConnId(pub u32);
+
+/// A message received on a connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Message {
+    /// A SEND's payload (with its immediate value, if any).
+    Data(Vec<u8>, Option<u32>),
+    /// The immediate value of an RDMA WRITE_WITH_IMM: the writer's data has landed.
+    Immediate(u32),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum ConnStatus {
+    Prepared,
+    Ready,
+    Failed(String),
+}
+
+const RECV_BIT: u64 = 1 << 62;
+/// Receive completions carry `RECV_BIT | conn << 16 | buffer index`.
+fn recv_wr_id(conn: u32, index: u32) -> u64 {
+    RECV_BIT | (u64::from(conn) << 16) | u64::from(index)
+}
+
+struct Conn {
+    qp: Arc<QueuePair>,
+    psn: u32,
+    status: ConnStatus,
+    sq_free: u32,
+    /// For every posted signaled work request, in posting order: how many SQ slots it frees.
+    signaled_frees: VecDeque<u32>,
+    since_signal: u32,
+    credit_waiters: Vec<Waker>,
+    recv_region: Region,
+    inbox: VecDeque<Message>,
+    inbox_waiter: Option<Waker>,
+    max_msg: u64,
+}
+
+/// What a transfer slot keeps alive until the NIC is done with it.
+pub(crate) struct KeepAlive {
+    _regions: Vec<Region>,
+    _message: Option<MessageSlot>,
+}
+
+/// A slot of the engine's registered send-message pool; returned to the pool on drop.
+struct MessageSlot {
+    index: u32,
+    free: Rc<RefCell<Vec<u32>>>,
+}
+
+impl Drop for MessageSlot {
+    fn drop(&mut self) {
+        self.free.borrow_mut().push(self.index);
+    }
+}
+
+struct State {
+    // Field order matters: queue pairs are destroyed before the in-flight keep-alives release
+    // their regions, so the NIC never touches deregistered memory.
+    conns: Slab<Conn>,
+    inflight: InflightTable<KeepAlive>,
+    qpn_to_conn: HashMap<u32, u32>,
+    batch: SendBatch,
+}
+
+pub(crate) struct Inner {
+    id: u64,
+    cfg: EngineConfig,
+    pd: ProtectionDomain,
+    cq: CompletionQueue,
+    device: DeviceAttributes,
+    state: RefCell<State>,
+    counters: Cell<EngineCounters>,
+    kick: Cell<bool>,
+    progress_waker: RefCell<Option<Waker>>,
+    shutdown: Cell<bool>,
+    msg_region: Region,
+    msg_free: Rc<RefCell<Vec<u32>>>,
+    msg_waiters: RefCell<Vec<Waker>>,
+}
+
+static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
+
+/// A per-core transfer engine. Cheap to clone (all clones are the same engine); `!Send`.
+#[derive(Clone)]
+pub struct Engine {
+    pub(crate) inner: Rc<Inner>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("id", &self.inner.id)
+            .field("counters", &self.inner.counters.get())
+            .finish()
+    }
+}
+
+fn bump(c: &Cell<EngineCounters>, f: impl FnOnce(&mut EngineCounters)) {
+    let mut v = c.get();
+    f(&mut v);
+    c.set(v);
+}
+
+impl Engine {
+    /// Opens the device and starts the progress task on the current glommio executor. Slow verbs
+    /// (device open, CQ creation, registration) run on the executor's blocking pool.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Verbs`] if the device cannot be opened or resources cannot be created.
+    pub async fn open(cfg: EngineConfig) -> Result<Engine, RuntimeError> {
+        let id = NEXT_ENGINE.fetch_add(1, Ordering::Relaxed);
+        let c = cfg.clone();
+        let (ctx, pd, cq, device, msg_buf) = glommio::executor()
+            .spawn_blocking(move || -> Result<_, rixl_verbs::Error> {
+                let ctx = Context::open(c.device.as_deref())?;
+                let device = ctx.query_device()?;
+                let pd = ProtectionDomain::new(&ctx)?;
+                // Room for every connection's full send and receive queues: the CQ can never
+                // overflow, even when a failing connection flushes everything at once.
+                let need = c.max_connections * (c.send_queue_depth + c.recv_buffers) + 64;
+                let cq = CompletionQueue::new(
+                    &ctx,
+                    need.min(device.max_cqe),
+                    c.poll_mode == PollMode::Event,
+                )?;
+                let msg = RegisteredBuffer::new(
+                    &pd,
+                    (c.max_message as usize) * 64,
+                    AccessFlags::LOCAL_WRITE,
+                )?;
+                Ok((ctx, pd, cq, device, msg))
+            })
+            .await?;
+        let capacity_needed = cfg.max_connections * (cfg.send_queue_depth + cfg.recv_buffers);
+        if cq.capacity() < capacity_needed {
+            return Err(RuntimeError::Limit(format!(
+                "device CQ holds {} entries but {} connections x ({} + {}) need {capacity_needed}",
+                cq.capacity(),
+                cfg.max_connections,
+                cfg.send_queue_depth,
+                cfg.recv_buffers
+            )));
+        }
+        drop(ctx);
+        let inner = Rc::new(Inner {
+            id,
+            msg_region: Region::new(msg_buf, id),
+            msg_free: Rc::new(RefCell::new((0..64).rev().collect())),
+            msg_waiters: RefCell::new(Vec::new()),
+            cfg,
+            pd,
+            cq,
+            device,
+            state: RefCell::new(State {
+                conns: Slab::new(),
+                inflight: InflightTable::new(),
+                qpn_to_conn: HashMap::new(),
+                batch: SendBatch::with_capacity(64, 4),
+            }),
+            counters: Cell::new(EngineCounters::default()),
+            kick: Cell::new(false),
+            progress_waker: RefCell::new(None),
+            shutdown: Cell::new(false),
+        });
+        glommio::spawn_local(progress(Rc::clone(&inner))).detach();
+        tracing::info!(engine = id, device = ?inner.cfg.device, "engine started");
+        Ok(Engine { inner })
+    }
+
+    /// Engine id (also the id of its protection domain's regions).
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.cfg
+    }
+
+    /// A snapshot of the counters.
+    pub fn counters(&self) -> EngineCounters {
+        self.inner.counters.get()
+    }
+
+    /// Live in-flight slots (including detached ones the NIC has not finished).
+    pub fn inflight(&self) -> usize {
+        self.inner.state.borrow().inflight.len()
+    }
+
+    /// Allocates and registers `len` bytes (page aligned, zeroed) with remote read/write access.
+    /// Registration runs off the core.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Verbs`] if allocation or registration fails.
+    pub async fn register(&self, len: usize) -> Result<Region, RuntimeError> {
+        let pd = self.inner.pd.clone();
+        let buf = glommio::executor()
+            .spawn_blocking(move || RegisteredBuffer::new(&pd, len, AccessFlags::ALL_RDMA))
+            .await?;
+        Ok(Region::new(buf, self.inner.id))
+    }
+
+    /// Creates a queue pair for a new connection and returns this side's endpoint, to be sent to
+    /// the peer out of band.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Limit`] past `max_connections`; [`RuntimeError::Verbs`] on verb failures.
+    pub async fn prepare_connection(&self) -> Result<(ConnId, Endpoint), RuntimeError> {
+        let cfg = self.inner.cfg.clone();
+        if self.inner.state.borrow().conns.len() >= cfg.max_connections as usize {
+            return Err(RuntimeError::Limit(format!(
+                "engine has {} connections (max_connections)",
+                cfg.max_connections
+            )));
+        }
+        let pd = self.inner.pd.clone();
+        let cq = self.inner.cq.clone();
+        let psn = (rand_u32() ^ self.inner.id as u32) & 0x00ff_ffff;
+        let recv_len = (cfg.max_message as usize) * (cfg.recv_buffers as usize);
+        let (qp, ep, recv_buf) = glommio::executor()
+            .spawn_blocking(move || -> Result<_, rixl_verbs::Error> {
+                let mut caps = QueuePairCapabilities::default();
+                caps.max_send_wr = cfg.send_queue_depth;
+                caps.max_recv_wr = cfg.recv_buffers;
+                caps.max_send_sge = 16.min(caps.max_send_sge.max(16));
+                caps.max_recv_sge = 1;
+                let dev = pd.context().query_device()?;
+                caps.max_send_sge = caps.max_send_sge.min(dev.max_sge);
+                let qp = QueuePair::new_rc(&pd, &cq, &cq, caps)?;
+                qp.to_init(&cfg.connect)?;
+                let ep = qp.endpoint(&cfg.connect, psn)?;
+                let recv_buf = RegisteredBuffer::new(&pd, recv_len, AccessFlags::LOCAL_WRITE)?;
+                Ok((qp, ep, recv_buf))
+            })
+            .await?;
+        let recv_region = Region::new(recv_buf, self.inner.id);
+        let qp = Arc::new(qp);
+        let mut st = self.inner.state.borrow_mut();
+        let st = &mut *st;
+        let sq_free = qp.capabilities().max_send_wr;
+        let entry = st.conns.vacant_entry();
+        let id = u32::try_from(entry.key()).unwrap_or(u32::MAX);
+        // Post every receive buffer now (INIT accepts receives).
+        let mut r = RecvBatch::default();
+        for i in 0..cfg.recv_buffers {
+            r.push(
+                recv_wr_id(id, i),
+                &[Sge {
+                    addr: recv_region.addr() + u64::from(i * cfg.max_message),
+                    length: cfg.max_message,
+                    lkey: recv_region.lkey(),
+                }],
+            );
+        }
+        qp.post_recv_in(&mut r, &[recv_region.buffer()])?;
+        st.qpn_to_conn.insert(qp.qpn(), id);
+        entry.insert(Conn {
+            qp,
+            psn,
+            status: ConnStatus::Prepared,
+            sq_free,
+            signaled_frees: VecDeque::new(),
+            since_signal: 0,
+            credit_waiters: Vec::new(),
+            recv_region,
+            inbox: VecDeque::new(),
+            inbox_waiter: None,
+            max_msg: u64::from(u32::MAX),
+        });
+        tracing::debug!(engine = self.inner.id, conn = id, qpn = ep.qpn, "connection prepared");
+        Ok((ConnId(id), ep))
+    }
+
+    /// Connects a prepared connection to the peer's endpoint (INIT → RTR → RTS, off the core).
+    ///
+    /// # Errors
+    /// [`RuntimeError::UnknownConnection`] or the verbs error of a refused transition.
+    pub async fn complete_connection(&self, conn: ConnId, remote: Endpoint) -> Result<(), RuntimeError> {
+        let (qp, psn) = {
+            let st = self.inner.state.borrow();
+            let c = st
+                .conns
+                .get(conn.0 as usize)
+                .ok_or(RuntimeError::UnknownConnection(conn.0))?;
+            (Arc::clone(&c.qp), c.psn)
+        };
+        let opts = self.inner.cfg.connect;
+        let q = Arc::clone(&qp);
+        glommio::executor()
+            .spawn_blocking(move || -> Result<(), rixl_verbs::Error> {
+                q.to_rtr(&remote, &opts)?;
+                q.to_rts(psn, &opts)
+            })
+            .await?;
+        let mut st = self.inner.state.borrow_mut();
+        if let Some(c) = st.conns.get_mut(conn.0 as usize) {
+            c.status = ConnStatus::Ready;
+            c.max_msg = u64::from(qp.max_message_size());
+        }
+        tracing::debug!(engine = self.inner.id, conn = conn.0, "connection ready");
+        Ok(())
+    }
+
+    /// Fails a connection: its QP moves to ERROR, every outstanding transfer on it ends with
+    /// [`TransferError::Flushed`] (or its own earlier error) once the NIC has flushed its work.
+    pub fn abort_connection(&self, conn: ConnId, reason: &str) {
+        self.inner.fail_connection(conn.0, reason, &TransferError::Flushed);
+    }
+
+    /// Closes a connection: fails it, waits until nothing of it is in flight, and destroys its
+    /// queue pair.
+    pub async fn close_connection(&self, conn: ConnId) {
+        self.abort_connection(conn, "closed");
+        let inner = Rc::clone(&self.inner);
+        poll_fn(|cx| {
+            let mut st = inner.state.borrow_mut();
+            let busy = st
+                .conns
+                .get(conn.0 as usize)
+                .is_some_and(|c| !c.signaled_frees.is_empty());
+            if busy {
+                st.conns[conn.0 as usize].credit_waiters.push(cx.waker().clone());
+                inner.kick_progress();
+                Poll::Pending
+            } else {
+                Poll::Ready(())
+            }
+        })
+        .await;
+        let mut st = self.inner.state.borrow_mut();
+        if st.conns.contains(conn.0 as usize) {
+            let c = st.conns.remove(conn.0 as usize);
+            st.qpn_to_conn.remove(&c.qp.qpn());
+        }
+    }
+
+    /// RDMA WRITE of `local` to `remote` on `conn`.
+    ///
+    /// # Errors
+    /// See [`TransferError`].
+    pub async fn write(
+        &self,
+        conn: ConnId,
+        local: &LocalDescList,
+        remote: &RemoteDescList,
+    ) -> Result<TransferStats, TransferError> {
+        self.transfer(conn, Op::Write, local, remote, TransferOptions::default())
+            .await
+    }
+
+    /// RDMA READ of `remote` into `local` on `conn`.
+    ///
+    /// # Errors
+    /// See [`TransferError`].
+    pub async fn read(
+        &self,
+        conn: ConnId,
+        local: &LocalDescList,
+        remote: &RemoteDescList,
+    ) -> Result<TransferStats, TransferError> {
+        self.transfer(conn, Op::Read, local, remote, TransferOptions::default())
+            .await
+    }
+
+    /// A READ or WRITE with options. The returned future may be dropped or forgotten at any
+    /// point: the in-flight slot keeps the regions registered until the NIC is done.
+    ///
+    /// # Errors
+    /// See [`TransferError`].
+    pub async fn transfer(
+        &self,
+        conn: ConnId,
+        op: Op,
+        local: &LocalDescList,
+        remote: &RemoteDescList,
+        opts: TransferOptions,
+    ) -> Result<TransferStats, TransferError> {
+        let span = tracing::debug_span!(
+            "transfer",
+            engine = self.inner.id,
+            conn = conn.0,
+            ?op,
+            descriptors = local.len(),
+            bytes = tracing::field::Empty,
+            wrs = tracing::field::Empty
+        );
+        let timeout = opts.timeout.unwrap_or(self.inner.cfg.transfer_timeout);
+        let inner = Rc::clone(&self.inner);
+        let run = transfer_inner(Rc::clone(&inner), conn, op, local, remote, opts, span.clone());
+        let timer = async {
+            glommio::timer::Timer::new(timeout).await;
+            Err(TransferError::Timeout(timeout))
+        };
+        let result = futures_lite::future::or(run, timer)
+            .instrument(span.clone())
+            .await;
+        if let Err(TransferError::Timeout(_)) = &result {
+            // The transfer's future (and its slot guard) is gone; make the NIC stop touching its
+            // memory by failing the connection: the QP flushes, the slot is released then.
+            inner.fail_connection(conn.0, "transfer timed out", &TransferError::Flushed);
+            tracing::warn!(parent: &span, ?timeout, "transfer timed out; connection failed");
+        }
+        bump(&inner.counters, |c| {
+            if result.is_ok() {
+                c.transfers_ok += 1
+            } else {
+                c.transfers_failed += 1
+            }
+        });
+        result
+    }
+
+    /// Sends a small message (at most `max_message` bytes) with SEND (and optional immediate).
+    ///
+    /// # Errors
+    /// [`TransferError::InvalidDescriptor`] if it is too large; otherwise as a transfer.
+    pub async fn send(&self, conn: ConnId, msg: &[u8], imm: Option<u32>) -> Result<(), TransferError> {
+        let max = self.inner.cfg.max_message;
+        if msg.len() > max as usize || msg.is_empty() {
+            return Err(TransferError::InvalidDescriptor(InvalidDescriptor::OutOfRange {
+                index: 0,
+                offset: 0,
+                len: msg.len() as u64,
+                region_len: u64::from(max),
+            }));
+        }
+        let inner = Rc::clone(&self.inner);
+        let slot = poll_fn(|cx| match inner.msg_free.borrow_mut().pop() {
+            Some(i) => Poll::Ready(MessageSlot {
+                index: i,
+                free: Rc::clone(&inner.msg_free),
+            }),
+            None => {
+                inner.msg_waiters.borrow_mut().push(cx.waker().clone());
+                Poll::Pending
+            }
+        })
+        .await;
+        let off = u64::from(slot.index * max);
+        self.inner
+            .msg_region
+            .write_at(off, msg)
+            .map_err(|e| TransferError::Post(e.to_string()))?;
+        let sge = Sge {
+            addr: self.inner.msg_region.addr() + off,
+            length: msg.len() as u32,
+            lkey: self.inner.msg_region.lkey(),
+        };
+        let op = match imm {
+            Some(imm) => SendOp::SendWithImm { imm },
+            None => SendOp::Send,
+        };
+        let keep = KeepAlive {
+            _regions: vec![self.inner.msg_region.clone()],
+            _message: Some(slot),
+        };
+        let timeout = self.inner.cfg.transfer_timeout;
+        let run = post_single(Rc::clone(&self.inner), conn, op, sge, keep);
+        let timer = async {
+            glommio::timer::Timer::new(timeout).await;
+            Err(TransferError::Timeout(timeout))
+        };
+        let r = futures_lite::future::or(run, timer).await;
+        if let Err(TransferError::Timeout(_)) = &r {
+            self.inner
+                .fail_connection(conn.0, "send timed out", &TransferError::Flushed);
+        }
+        r
+    }
+
+    /// Receives the next message (SEND payload or WRITE_WITH_IMM notification) on `conn`.
+    ///
+    /// # Errors
+    /// [`TransferError::Connection`] when the connection failed or is unknown.
+    pub async fn recv(&self, conn: ConnId) -> Result<Message, TransferError> {
+        let inner = Rc::clone(&self.inner);
+        poll_fn(|cx| {
+            let mut st = inner.state.borrow_mut();
+            let Some(c) = st.conns.get_mut(conn.0 as usize) else {
+                return Poll::Ready(Err(TransferError::Connection(conn.0, "unknown".into())));
+            };
+            if let Some(m) = c.inbox.pop_front() {
+                return Poll::Ready(Ok(m));
+            }
+            if let ConnStatus::Failed(why) = &c.status {
+                return Poll::Ready(Err(TransferError::Connection(conn.0, why.clone())));
+            }
+            c.inbox_waiter = Some(cx.waker().clone());
+            inner.kick_progress();
+            Poll::Pending
+        })
+        .await
+    }
+
+    /// Stops the engine: fails every connection, waits until the NIC has flushed all in-flight
+    /// work, and ends the progress task. Regions stay valid (they belong to their handles).
+    pub async fn shutdown(self) {
+        let conns: Vec<u32> = self
+            .inner
+            .state
+            .borrow()
+            .conns
+            .iter()
+            .map(|(k, _)| k as u32)
+            .collect();
+        for c in conns {
+            self.close_connection(ConnId(c)).await;
+        }
+        self.inner.shutdown.set(true);
+        self.inner.kick_progress();
+    }
+}
+
+fn rand_u32() -> u32 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    t.wrapping_mul(2_654_435_761)
+}
+
+/// Detaches a slot when the transfer future goes away before taking its result.
+struct SlotGuard {
+    inner: Rc<Inner>,
+    slot: SlotId,
+    armed: bool,
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            let released = self.inner.state.borrow_mut().inflight.detach(self.slot);
+            tracing::debug!(slot = self.slot.key, released, "transfer future dropped; slot detached");
+        }
+    }
+}
+
+impl Inner {
+    fn kick_progress(&self) {
+        self.kick.set(true);
+        if let Some(w) = self.progress_waker.borrow_mut().take() {
+            w.wake();
+        }
+    }
+
+    fn fail_connection(&self, conn: u32, reason: &str, err: &TransferError) {
+        let mut st = self.state.borrow_mut();
+        let Some(c) = st.conns.get_mut(conn as usize) else {
+            return;
+        };
+        if let ConnStatus::Failed(_) = c.status {
+            return;
+        }
+        c.status = ConnStatus::Failed(reason.to_string());
+        if let Err(e) = c.qp.to_error() {
+            tracing::warn!(conn, error = %e, "moving QP to error failed");
+        }
+        let waiters: Vec<Waker> = c.credit_waiters.drain(..).chain(c.inbox_waiter.take()).collect();
+        st.inflight.fail_connection(conn, err);
+        drop(st);
+        for w in waiters {
+            w.wake();
+        }
+        self.kick_progress();
+    }
+
+    fn limits(&self, op: Op, qp: &QueuePair, max_msg: u64) -> Limits {
+        let sge = qp.capabilities().max_send_sge;
+        Limits {
+            max_sge: match op {
+                Op::Write => sge,
+                Op::Read => sge.min(self.device.max_sge_rd.max(1)),
+            },
+            max_msg,
+        }
+    }
+
+    /// Waits until `conn` has at least one free send-queue slot.
+    async fn credits(&self, conn: u32) -> Result<u32, TransferError> {
+        poll_fn(|cx| {
+            let mut st = self.state.borrow_mut();
+            let Some(c) = st.conns.get_mut(conn as usize) else {
+                return Poll::Ready(Err(TransferError::Connection(conn, "unknown".into())));
+            };
+            match &c.status {
+                ConnStatus::Failed(why) => {
+                    return Poll::Ready(Err(TransferError::Connection(conn, why.clone())))
+                }
+                ConnStatus::Prepared => {
+                    return Poll::Ready(Err(TransferError::Connection(conn, "not connected".into())))
+                }
+                ConnStatus::Ready => {}
+            }
+            if c.sq_free > 0 {
+                Poll::Ready(Ok(c.sq_free))
+            } else {
+                c.credit_waiters.push(cx.waker().clone());
+                Poll::Pending
+            }
+        })
+        .await
+    }
+
+    /// Posts `wrs` (a chunk of `plan`) with one doorbell. Returns how many were posted.
+    fn post_chunk(
+        &self,
+        conn: u32,
+        op: Op,
+        slot: SlotId,
+        plan: &Plan,
+        range: std::ops::Range<usize>,
+        notify_imm: Option<u32>,
+        regions: &[Region],
+    ) -> Result<usize, TransferError> {
+        let mut st = self.state.borrow_mut();
+        let State {
+            conns,
+            inflight,
+            batch,
+            ..
+        } = &mut *st;
+        let c = conns
+            .get_mut(conn as usize)
+            .ok_or_else(|| TransferError::Connection(conn, "unknown".into()))?;
+        batch.clear();
+        let interval = self.cfg.signal_interval.max(1);
+        let last = range.end - 1;
+        let mut signaled = 0u32;
+        let mut frees = Vec::new();
+        for i in range.clone() {
+            let wr = &plan.wrs[i];
+            c.since_signal += 1;
+            let is_last_of_transfer = i + 1 == plan.wrs.len();
+            let signal = i == last || c.since_signal >= interval;
+            let op = match (op, notify_imm) {
+                (Op::Write, Some(imm)) if is_last_of_transfer => SendOp::WriteWithImm {
+                    remote_addr: wr.remote_addr,
+                    rkey: wr.rkey,
+                    imm,
+                },
+                (Op::Write, _) => SendOp::Write {
+                    remote_addr: wr.remote_addr,
+                    rkey: wr.rkey,
+                },
+                (Op::Read, _) => SendOp::Read {
+                    remote_addr: wr.remote_addr,
+                    rkey: wr.rkey,
+                },
+            };
+            batch.push(
+                slot.wr_id(signal),
+                op,
+                plan.sges_of(wr),
+                SendFlags {
+                    signaled: signal,
+                    ..SendFlags::default()
+                },
+            );
+            if signal {
+                frees.push(c.since_signal);
+                c.since_signal = 0;
+                signaled += 1;
+            }
+        }
+        let n = range.len();
+        let buffers: Vec<&RegisteredBuffer> = regions.iter().map(Region::buffer).collect();
+        match c.qp.post_send_in(batch, &buffers) {
+            Ok(()) => {
+                c.sq_free -= n as u32;
+                c.signaled_frees.extend(frees);
+                inflight.add_signaled(slot, signaled);
+                bump(&self.counters, |k| {
+                    k.work_requests += n as u64;
+                    k.doorbells += 1;
+                });
+                Ok(n)
+            }
+            Err(e) => {
+                // Nothing of a refused batch counts; the connection is unusable now.
+                c.since_signal = 0;
+                Err(TransferError::Post(e.to_string()))
+            }
+        }
+    }
+
+    fn route(&self, wc: &WorkCompletion) {
+        let wr_id = wc.wr_id();
+        if wr_id & RECV_BIT != 0 {
+            self.route_recv(wc);
+            return;
+        }
+        let signaled = crate::inflight::decode_wr_id(wr_id).2;
+        let status = if wc.is_success() {
+            Ok(())
+        } else {
+            Err(TransferError::from_status(wc.status()))
+        };
+        let mut st = self.state.borrow_mut();
+        let conn = st.qpn_to_conn.get(&wc.qp_num()).copied();
+        let mut wake = Vec::new();
+        let mut failed = None;
+        if let Some(c) = conn.and_then(|k| st.conns.get_mut(k as usize)) {
+            if signaled {
+                if let Some(n) = c.signaled_frees.pop_front() {
+                    c.sq_free += n;
+                }
+                wake.append(&mut c.credit_waiters);
+            }
+            if !wc.is_success() && c.status == ConnStatus::Ready {
+                c.status = ConnStatus::Failed(wc.status().to_string());
+                wake.append(&mut c.credit_waiters);
+                wake.extend(c.inbox_waiter.take());
+                failed = conn;
+            }
+        }
+        match st.inflight.on_completion(wr_id, status) {
+            Routed::Stale => {
+                bump(&self.counters, |c| c.stale_completions += 1);
+                tracing::debug!(wr_id, "completion for a released slot ignored");
+            }
+            Routed::Progress | Routed::Finished | Routed::Released => {}
+        }
+        if let Some(conn) = failed {
+            tracing::warn!(conn, status = %wc.status(), "connection failed by an error completion");
+            st.inflight.fail_connection(conn, &TransferError::Flushed);
+        }
+        drop(st);
+        for w in wake {
+            w.wake();
+        }
+    }
+
+    fn route_recv(&self, wc: &WorkCompletion) {
+        let conn = ((wc.wr_id() >> 16) & 0xffff) as u32;
+        let index = (wc.wr_id() & 0xffff) as u32;
+        let mut st = self.state.borrow_mut();
+        let Some(c) = st.conns.get_mut(conn as usize) else {
+            return;
+        };
+        if !wc.is_success() {
+            // Flushed receives of a failing connection.
+            return;
+        }
+        let max = self.cfg.max_message;
+        let msg = match wc.opcode() {
+            WcOpcode::RecvRdmaWithImm => Message::Immediate(wc.imm_data().unwrap_or(0)),
+            _ => {
+                let mut data = vec![0u8; wc.byte_len() as usize];
+                let _ = c.recv_region.read_at(u64::from(index * max), &mut data);
+                Message::Data(data, wc.imm_data())
+            }
+        };
+        c.inbox.push_back(msg);
+        let waiter = c.inbox_waiter.take();
+        // Repost the buffer.
+        let mut r = RecvBatch::default();
+        r.push(
+            recv_wr_id(conn, index),
+            &[Sge {
+                addr: c.recv_region.addr() + u64::from(index * max),
+                length: max,
+                lkey: c.recv_region.lkey(),
+            }],
+        );
+        if let Err(e) = c.qp.post_recv_in(&mut r, &[c.recv_region.buffer()]) {
+            tracing::warn!(conn, error = %e, "reposting a receive failed");
+        }
+        drop(st);
+        if let Some(w) = waiter {
+            w.wake();
+        }
+    }
+}
+
+async fn transfer_inner(
+    inner: Rc<Inner>,
+    conn: ConnId,
+    op: Op,
+    local: &LocalDescList,
+    remote: &RemoteDescList,
+    opts: TransferOptions,
+    span: tracing::Span,
+) -> Result<TransferStats, TransferError> {
+    let t0 = Instant::now();
+    let (qp, max_msg) = {
+        let st = inner.state.borrow();
+        let c = st
+            .conns
+            .get(conn.0 as usize)
+            .ok_or_else(|| TransferError::Connection(conn.0, "unknown".into()))?;
+        if let ConnStatus::Failed(why) = &c.status {
+            return Err(TransferError::Connection(conn.0, why.clone()));
+        }
+        (Arc::clone(&c.qp), c.max_msg)
+    };
+    let mut regions = Vec::with_capacity(local.regions().len());
+    for (i, r) in local.regions().iter().enumerate() {
+        if r.engine_id() != inner.id {
+            let index = local.descs().iter().position(|d| d.region as usize == i).unwrap_or(0);
+            return Err(InvalidDescriptor::ForeignRegion { index }.into());
+        }
+        regions.push(RegionInfo {
+            addr: r.addr(),
+            len: r.len(),
+            lkey: r.lkey(),
+        });
+    }
+    if opts.notify_imm.is_some() && op == Op::Read {
+        return Err(TransferError::Post("notify_imm needs a WRITE".into()));
+    }
+    let plan = plan::plan(&regions, local.descs(), &remote.0, inner.limits(op, &qp, max_msg))?;
+    span.record("bytes", plan.bytes);
+    span.record("wrs", plan.wrs.len());
+    let prepared = Instant::now();
+    let slot = inner.state.borrow_mut().inflight.insert(
+        conn.0,
+        KeepAlive {
+            _regions: local.regions().to_vec(),
+            _message: None,
+        },
+    );
+    let mut guard = SlotGuard {
+        inner: Rc::clone(&inner),
+        slot,
+        armed: true,
+    };
+    let batch = inner.cfg.post_batch.max(1) as usize;
+    let mut next = 0usize;
+    let mut doorbells = 0usize;
+    let mut post_err = None;
+    while next < plan.wrs.len() {
+        let free = match inner.credits(conn.0).await {
+            Ok(f) => f as usize,
+            Err(e) => {
+                post_err = Some(e);
+                break;
+            }
+        };
+        let end = (next + free.min(batch)).min(plan.wrs.len());
+        match inner.post_chunk(conn.0, op, slot, &plan, next..end, opts.notify_imm, local.regions()) {
+            Ok(n) => {
+                next += n;
+                doorbells += 1;
+                inner.kick_progress();
+            }
+            Err(e) => {
+                inner.fail_connection(conn.0, "post failed", &TransferError::Flushed);
+                post_err = Some(e);
+                break;
+            }
+        }
+    }
+    let posted = Instant::now();
+    {
+        let mut st = inner.state.borrow_mut();
+        if let Some(e) = post_err {
+            st.inflight.fail(slot, e);
+        }
+        st.inflight.end_posting(slot);
+    }
+    let result = poll_fn(|cx| inner.state.borrow_mut().inflight.poll(slot, cx)).await;
+    guard.armed = false;
+    result?;
+    Ok(TransferStats {
+        bytes: plan.bytes,
+        descriptors: local.len(),
+        work_requests: plan.wrs.len(),
+        doorbells,
+        prepare: prepared - t0,
+        post: posted - prepared,
+        total: t0.elapsed(),
+    })
+}
+
+/// Posts one signaled work request (SEND) owning `keep` until completion.
+async fn post_single(
+    inner: Rc<Inner>,
+    conn: ConnId,
+    op: SendOp,
+    sge: Sge,
+    keep: KeepAlive,
+) -> Result<(), TransferError> {
+    inner.credits(conn.0).await?;
+    let msg_region = inner.msg_region.clone();
+    let slot = inner.state.borrow_mut().inflight.insert(conn.0, keep);
+    let mut guard = SlotGuard {
+        inner: Rc::clone(&inner),
+        slot,
+        armed: true,
+    };
+    let posted = {
+        let mut st = inner.state.borrow_mut();
+        let State { conns, inflight, batch, .. } = &mut *st;
+        let c = conns
+            .get_mut(conn.0 as usize)
+            .ok_or_else(|| TransferError::Connection(conn.0, "unknown".into()))?;
+        batch.clear();
+        batch.push(slot.wr_id(true), op, &[sge], SendFlags::SIGNALED);
+        c.since_signal = 0;
+        match c.qp.post_send_in(batch, &[msg_region.buffer()]) {
+            Ok(()) => {
+                c.sq_free -= 1;
+                c.signaled_frees.push_back(1);
+                inflight.add_signaled(slot, 1);
+                Ok(())
+            }
+            Err(e) => Err(TransferError::Post(e.to_string())),
+        }
+    };
+    if let Err(e) = posted {
+        inner.state.borrow_mut().inflight.fail(slot, e);
+    }
+    inner.state.borrow_mut().inflight.end_posting(slot);
+    inner.kick_progress();
+    let r = poll_fn(|cx| inner.state.borrow_mut().inflight.poll(slot, cx)).await;
+    guard.armed = false;
+    // A freed message slot may unblock a waiting sender.
+    for w in inner.msg_waiters.borrow_mut().drain(..) {
+        w.wake();
+    }
+    r
+}
+
+/// The per-core progress task: reaps completions in batches and wakes futures; busy-polls
+/// (yielding) only while work is in flight, parks when nothing is.
+async fn progress(inner: Rc<Inner>) {
+    let mut wcs = vec![WorkCompletion::default(); inner.cfg.poll_batch.max(1)];
+    loop {
+        let n = match inner.cq.poll(&mut wcs) {
+            Ok(n) => n,
+            Err(e) => {
+                tracing::error!(error = %e, "polling the CQ failed");
+                0
+            }
+        };
+        if n > 0 {
+            bump(&inner.counters, |c| {
+                c.polls += 1;
+                c.completions += n as u64;
+            });
+            for wc in &wcs[..n] {
+                inner.route(wc);
+            }
+            // Let the woken futures run.
+            futures_lite::future::yield_now().await;
+            continue;
+        }
+        bump(&inner.counters, |c| c.empty_polls += 1);
+        let idle = inner.state.borrow().inflight.signaled_outstanding() == 0
+            && inner.state.borrow().conns.iter().all(|(_, c)| c.signaled_frees.is_empty());
+        let waiting_recv = inner
+            .state
+            .borrow()
+            .conns
+            .iter()
+            .any(|(_, c)| c.inbox_waiter.is_some() && c.status == ConnStatus::Ready);
+        if idle && inner.shutdown.get() {
+            tracing::info!(engine = inner.id, "progress task stopped");
+            return;
+        }
+        if idle && !waiting_recv {
+            // Park until a submitter kicks us: no CPU while idle.
+            bump(&inner.counters, |c| c.parks += 1);
+            poll_fn(|cx| {
+                if inner.kick.replace(false) {
+                    Poll::Ready(())
+                } else {
+                    *inner.progress_waker.borrow_mut() = Some(cx.waker().clone());
+                    Poll::Pending
+                }
+            })
+            .await;
+            continue;
+        }
+        match inner.cfg.poll_mode {
+            PollMode::Busy if !idle => futures_lite::future::yield_now().await,
+            _ => {
+                // Event mode (or only receives pending): arm, poll again (drain-after-arm), then
+                // wait for the event off the core.
+                if inner.cq.req_notify(false).is_ok() {
+                    let n = inner.cq.poll(&mut wcs).unwrap_or(0);
+                    if n > 0 {
+                        for wc in &wcs[..n] {
+                            inner.route(wc);
+                        }
+                        continue;
+                    }
+                    bump(&inner.counters, |c| c.event_waits += 1);
+                    let cq = inner.cq.clone();
+                    let _ = glommio::executor()
+                        .spawn_blocking(move || cq.wait_event(Some(Duration::from_millis(20))))
+                        .await;
+                } else {
+                    // No event channel (busy mode): a short timer instead of spinning.
+                    glommio::timer::sleep(Duration::from_micros(200)).await;
+                }
+            }
+        }
+    }
+}

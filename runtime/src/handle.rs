@@ -1,0 +1,301 @@
+//! A `Send` handle to an engine running on another core, and a pool of pinned engines.
+
+use std::thread;
+
+use futures_channel::{mpsc, oneshot};
+use futures_lite::StreamExt;
+use glommio::{LocalExecutorBuilder, Placement};
+use rixl_verbs::Endpoint;
+
+use crate::desc::{LocalDescList, Op, Region, RemoteDescList};
+use crate::engine::{ConnId, Engine, EngineConfig, EngineCounters, Message, TransferOptions, TransferStats};
+use crate::error::{RuntimeError, TransferError};
+
+type Reply<T> = oneshot::Sender<T>;
+
+enum Command {
+    Register(usize, Reply<Result<Region, RuntimeError>>),
+    Prepare(Reply<Result<(ConnId, Endpoint), RuntimeError>>),
+    Complete(ConnId, Endpoint, Reply<Result<(), RuntimeError>>),
+    Transfer {
+        conn: ConnId,
+        op: Op,
+        local: LocalDescList,
+        remote: RemoteDescList,
+        opts: TransferOptions,
+        reply: Reply<Result<TransferStats, TransferError>>,
+    },
+    Send(ConnId, Vec<u8>, Option<u32>, Reply<Result<(), TransferError>>),
+    Recv(ConnId, Reply<Result<Message, TransferError>>),
+    Counters(Reply<(EngineCounters, usize)>),
+    Close(ConnId, Reply<()>),
+    Shutdown(Reply<()>),
+}
+
+/// A `Send + Clone` handle to an engine: any thread or task can submit work to the engine that
+/// owns the connection; each call's future resolves on the caller's side. Dropping a call's
+/// future does not cancel the transfer (memory stays registered until the NIC is done).
+#[derive(Clone, Debug)]
+pub struct EngineHandle {
+    tx: mpsc::UnboundedSender<Command>,
+    id: u64,
+}
+
+async fn ask<T>(tx: &mpsc::UnboundedSender<Command>, make: impl FnOnce(Reply<T>) -> Command) -> Option<T> {
+    let (reply, rx) = oneshot::channel();
+    tx.unbounded_send(make(reply)).ok()?;
+    rx.await.ok()
+}
+
+impl EngineHandle {
+    /// The engine's id.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// See [`Engine::register`].
+    ///
+    /// # Errors
+    /// As [`Engine::register`], or [`RuntimeError::EngineGone`].
+    pub async fn register(&self, len: usize) -> Result<Region, RuntimeError> {
+        ask(&self.tx, |r| Command::Register(len, r)).await.unwrap_or(Err(RuntimeError::EngineGone))
+    }
+
+    /// See [`Engine::prepare_connection`].
+    ///
+    /// # Errors
+    /// As [`Engine::prepare_connection`], or [`RuntimeError::EngineGone`].
+    pub async fn prepare_connection(&self) -> Result<(ConnId, Endpoint), RuntimeError> {
+        ask(&self.tx, Command::Prepare).await.unwrap_or(Err(RuntimeError::EngineGone))
+    }
+
+    /// See [`Engine::complete_connection`].
+    ///
+    /// # Errors
+    /// As [`Engine::complete_connection`], or [`RuntimeError::EngineGone`].
+    pub async fn complete_connection(&self, conn: ConnId, remote: Endpoint) -> Result<(), RuntimeError> {
+        ask(&self.tx, |r| Command::Complete(conn, remote, r))
+            .await
+            .unwrap_or(Err(RuntimeError::EngineGone))
+    }
+
+    /// See [`Engine::transfer`].
+    ///
+    /// # Errors
+    /// As [`Engine::transfer`], or [`TransferError::EngineGone`].
+    pub async fn transfer(
+        &self,
+        conn: ConnId,
+        op: Op,
+        local: LocalDescList,
+        remote: RemoteDescList,
+        opts: TransferOptions,
+    ) -> Result<TransferStats, TransferError> {
+        ask(&self.tx, |reply| Command::Transfer {
+            conn,
+            op,
+            local,
+            remote,
+            opts,
+            reply,
+        })
+        .await
+        .unwrap_or(Err(TransferError::EngineGone))
+    }
+
+    /// RDMA WRITE; see [`Engine::write`].
+    ///
+    /// # Errors
+    /// As [`Engine::transfer`].
+    pub async fn write(&self, conn: ConnId, local: LocalDescList, remote: RemoteDescList) -> Result<TransferStats, TransferError> {
+        self.transfer(conn, Op::Write, local, remote, TransferOptions::default()).await
+    }
+
+    /// RDMA READ; see [`Engine::read`].
+    ///
+    /// # Errors
+    /// As [`Engine::transfer`].
+    pub async fn read(&self, conn: ConnId, local: LocalDescList, remote: RemoteDescList) -> Result<TransferStats, TransferError> {
+        self.transfer(conn, Op::Read, local, remote, TransferOptions::default()).await
+    }
+
+    /// See [`Engine::send`].
+    ///
+    /// # Errors
+    /// As [`Engine::send`].
+    pub async fn send(&self, conn: ConnId, msg: Vec<u8>, imm: Option<u32>) -> Result<(), TransferError> {
+        ask(&self.tx, |r| Command::Send(conn, msg, imm, r))
+            .await
+            .unwrap_or(Err(TransferError::EngineGone))
+    }
+
+    /// See [`Engine::recv`].
+    ///
+    /// # Errors
+    /// As [`Engine::recv`].
+    pub async fn recv(&self, conn: ConnId) -> Result<Message, TransferError> {
+        ask(&self.tx, |r| Command::Recv(conn, r)).await.unwrap_or(Err(TransferError::EngineGone))
+    }
+
+    /// The engine's counters and its live in-flight slots.
+    ///
+    /// # Errors
+    /// [`RuntimeError::EngineGone`].
+    pub async fn counters(&self) -> Result<(EngineCounters, usize), RuntimeError> {
+        ask(&self.tx, Command::Counters).await.ok_or(RuntimeError::EngineGone)
+    }
+
+    /// See [`Engine::close_connection`].
+    pub async fn close_connection(&self, conn: ConnId) {
+        let _ = ask(&self.tx, |r| Command::Close(conn, r)).await;
+    }
+}
+
+impl Engine {
+    /// Serves a [`EngineHandle`]: returns the handle and the task future to spawn on this
+    /// engine's executor (it ends on shutdown or when every handle is dropped).
+    pub fn handle(&self) -> (EngineHandle, impl std::future::Future<Output = ()>) {
+        let (tx, rx) = mpsc::unbounded();
+        let handle = EngineHandle { tx, id: self.id() };
+        (handle, serve(self.clone(), rx))
+    }
+}
+
+async fn serve(engine: Engine, mut rx: mpsc::UnboundedReceiver<Command>) {
+    while let Some(cmd) = rx.next().await {
+        let e = engine.clone();
+        match cmd {
+            Command::Register(len, r) => {
+                glommio::spawn_local(async move { let _ = r.send(e.register(len).await); }).detach();
+            }
+            Command::Prepare(r) => {
+                glommio::spawn_local(async move { let _ = r.send(e.prepare_connection().await); }).detach();
+            }
+            Command::Complete(c, ep, r) => {
+                glommio::spawn_local(async move { let _ = r.send(e.complete_connection(c, ep).await); }).detach();
+            }
+            Command::Transfer { conn, op, local, remote, opts, reply } => {
+                glommio::spawn_local(async move {
+                    let _ = reply.send(e.transfer(conn, op, &local, &remote, opts).await);
+                })
+                .detach();
+            }
+            Command::Send(c, m, imm, r) => {
+                glommio::spawn_local(async move { let _ = r.send(e.send(c, &m, imm).await); }).detach();
+            }
+            Command::Recv(c, r) => {
+                glommio::spawn_local(async move { let _ = r.send(e.recv(c).await); }).detach();
+            }
+            Command::Counters(r) => {
+                let _ = r.send((e.counters(), e.inflight()));
+            }
+            Command::Close(c, r) => {
+                glommio::spawn_local(async move {
+                    e.close_connection(c).await;
+                    let _ = r.send(());
+                })
+                .detach();
+            }
+            Command::Shutdown(r) => {
+                engine.clone().shutdown().await;
+                let _ = r.send(());
+                return;
+            }
+        }
+    }
+}
+
+/// Engines pinned one per CPU, each on its own glommio executor thread.
+#[derive(Debug)]
+pub struct EnginePool {
+    handles: Vec<EngineHandle>,
+    joins: Vec<glommio::ExecutorJoinHandle<()>>,
+}
+
+/// Locked memory each executor's io_uring may register (small, so pools fit an 8 MiB memlock).
+pub const DEFAULT_IO_MEMORY: usize = 64 << 10;
+
+impl EnginePool {
+    /// Starts one engine per CPU in `cpus`, pinned there, with `io_memory` bytes of glommio I/O
+    /// memory each. Checks io_uring and the memlock limit first.
+    ///
+    /// # Errors
+    /// [`RuntimeError::MemlockTooLow`], [`RuntimeError::IoUringDisabled`], an executor that
+    /// failed to start, or the first engine that failed to open.
+    pub fn start(cfg: &EngineConfig, cpus: &[usize], io_memory: usize) -> Result<Self, RuntimeError> {
+        crate::preflight::check(cpus.len(), io_memory)?;
+        let mut pool = EnginePool {
+            handles: Vec::new(),
+            joins: Vec::new(),
+        };
+        for (i, &cpu) in cpus.iter().enumerate() {
+            let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+            let cfg = cfg.clone();
+            let join = LocalExecutorBuilder::new(Placement::Fixed(cpu))
+                .name(&format!("rixl-engine-{i}"))
+                .io_memory(io_memory)
+                .spawn(move || async move {
+                    match Engine::open(cfg).await {
+                        Ok(engine) => {
+                            let (handle, serve) = engine.handle();
+                            let _ = ready_tx.send(Ok(handle));
+                            serve.await;
+                        }
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(e));
+                        }
+                    }
+                })
+                .map_err(|e| RuntimeError::Executor(e.to_string()))?;
+            pool.joins.push(join);
+            match ready_rx.recv() {
+                Ok(Ok(h)) => pool.handles.push(h),
+                Ok(Err(e)) => {
+                    pool.shutdown_inner();
+                    return Err(e);
+                }
+                Err(_) => {
+                    pool.shutdown_inner();
+                    return Err(RuntimeError::Executor(format!("executor on CPU {cpu} died while starting")));
+                }
+            }
+        }
+        Ok(pool)
+    }
+
+    /// The engines' handles, in CPU order.
+    pub fn handles(&self) -> &[EngineHandle] {
+        &self.handles
+    }
+
+    fn shutdown_inner(&mut self) {
+        for h in self.handles.drain(..) {
+            let (tx, rx) = oneshot::channel();
+            if h.tx.unbounded_send(Command::Shutdown(tx)).is_ok() {
+                let _ = futures_lite::future::block_on(rx);
+            }
+        }
+        for j in self.joins.drain(..) {
+            let _ = j.join();
+        }
+    }
+
+    /// Shuts every engine down (flushing in-flight work) and joins the executor threads.
+    pub fn shutdown(mut self) {
+        self.shutdown_inner();
+    }
+}
+
+impl Drop for EnginePool {
+    fn drop(&mut self) {
+        if !self.handles.is_empty() || !self.joins.is_empty() {
+            self.shutdown_inner();
+        }
+    }
+}
+
+/// The CPUs this process may run on (for pool placement).
+pub fn available_cpus() -> Vec<usize> {
+    let n = thread::available_parallelism().map_or(1, |n| n.get());
+    (0..n).collect()
+}

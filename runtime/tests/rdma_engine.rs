@@ -1,0 +1,582 @@
+//! Runtime integration tests on a real RDMA device (rxe in the guest: `scripts/rdma-suite`).
+//! Two processes: this test drives engines; the same binary re-executed is the peer, which runs
+//! its own engine and serves commands over a control channel. Without a device every test prints
+//! why it is skipped.
+
+use std::time::{Duration, Instant};
+
+use futures_lite::future::{block_on, poll_once};
+use glommio::{LocalExecutorBuilder, Placement};
+use rixl_runtime::{
+    ConnId, Engine, EngineConfig, EngineHandle, EnginePool, InvalidDescriptor, LocalDescList,
+    Message, Op, Region, RemoteDesc, RemoteDescList, TransferError, TransferOptions,
+    DEFAULT_IO_MEMORY,
+};
+use rixl_testkit::{fill, pattern, peer_control, report, require_or_skip, spawn_peer, Control};
+use rixl_verbs::{Endpoint, WcStatus};
+
+const REGION: usize = 64 << 20;
+const SLOT: u64 = 512;
+const SLOTS: u64 = (REGION as u64) / SLOT;
+const BLOCK: u64 = 256;
+
+/// Scattered, never-adjacent slot of descriptor `i` (odd multipliers permute 2^17 slots).
+fn local_slot(i: u64) -> u64 {
+    (i.wrapping_mul(7919) + 3) % SLOTS
+}
+fn remote_slot(i: u64) -> u64 {
+    (i.wrapping_mul(104_729) + 13) % SLOTS
+}
+
+fn fnv(h: u64, data: &[u8]) -> u64 {
+    data.iter()
+        .fold(h, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3))
+}
+
+/// Checksum of the blocks of descriptors `0..n` read through `read(offset, buf)`.
+fn blocks_sum(n: u64, slot: fn(u64) -> u64, mut read: impl FnMut(u64, &mut [u8])) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325;
+    let mut buf = vec![0u8; BLOCK as usize];
+    for i in 0..n {
+        read(slot(i) * SLOT, &mut buf);
+        h = fnv(h, &buf);
+    }
+    h
+}
+
+fn config() -> EngineConfig {
+    EngineConfig::from_env()
+}
+
+fn start_pool(test: &str, cfg: &EngineConfig, cpus: &[usize]) -> Option<EnginePool> {
+    require_or_skip(test, || EnginePool::start(cfg, cpus, DEFAULT_IO_MEMORY))
+}
+
+/// The peer process as seen from the test.
+struct Peer {
+    child: std::process::Child,
+    ctl: Control,
+    addr: u64,
+    rkey: u32,
+    len: u64,
+}
+
+impl Peer {
+    fn spawn(scenario: &str) -> Peer {
+        let (child, mut ctl) = spawn_peer("peer_process", scenario);
+        let info = ctl.recv();
+        Peer {
+            child,
+            ctl,
+            addr: u64::from_be_bytes(info[0..8].try_into().expect("8")),
+            rkey: u32::from_be_bytes(info[8..12].try_into().expect("4")),
+            len: u64::from_be_bytes(info[12..20].try_into().expect("8")),
+        }
+    }
+
+    /// Opens a connection between `engine` and the peer's engine.
+    fn connect(&mut self, engine: &EngineHandle) -> ConnId {
+        self.ctl.send_str("connect");
+        let theirs = Endpoint::from_bytes(&self.ctl.recv()).expect("peer endpoint");
+        let (conn, mine) = block_on(engine.prepare_connection()).expect("prepare");
+        self.ctl.send(&mine.to_bytes());
+        block_on(engine.complete_connection(conn, theirs)).expect("complete");
+        assert_eq!(self.ctl.recv_str(), "ok");
+        conn
+    }
+
+    fn remote(&self, offset: u64, len: u64) -> RemoteDesc {
+        RemoteDesc {
+            addr: self.addr + offset,
+            len,
+            rkey: self.rkey,
+        }
+    }
+
+    fn cmd(&mut self, c: &str) -> String {
+        self.ctl.send_str(c);
+        self.ctl.recv_str()
+    }
+
+    /// Kills the peer abruptly: its queue pairs vanish with the process.
+    fn kill(mut self) {
+        self.ctl.send_str("exit");
+        let _ = self.child.wait();
+    }
+
+    fn finish(mut self) {
+        self.ctl.send_str("quit");
+        let st = self.child.wait().expect("wait peer");
+        assert!(st.success(), "peer failed: {st}");
+    }
+}
+
+fn scattered_lists(region: &Region, peer: &Peer, n: u64) -> (LocalDescList, RemoteDescList) {
+    let mut local = LocalDescList::with_capacity(n as usize);
+    let mut remote = Vec::with_capacity(n as usize);
+    for i in 0..n {
+        local.push(region, local_slot(i) * SLOT, BLOCK);
+        remote.push(peer.remote(remote_slot(i) * SLOT, BLOCK));
+    }
+    (local, RemoteDescList(remote))
+}
+
+fn region_sum(region: &Region, n: u64, slot: fn(u64) -> u64) -> u64 {
+    blocks_sum(n, slot, |off, buf| region.read_at(off, buf).expect("read region"))
+}
+
+#[test]
+fn scattered_write_and_read_of_1_100_10k_100k_descriptors() {
+    let cfg = config();
+    let Some(pool) = start_pool("scattered_write_and_read_of_1_100_10k_100k_descriptors", &cfg, &[0])
+    else {
+        return;
+    };
+    let h = &pool.handles()[0];
+    let mut peer = Peer::spawn("target");
+    let conn = peer.connect(h);
+    let region = block_on(h.register(REGION)).expect("register");
+    for n in [1u64, 100, 10_000, 100_000] {
+        // WRITE: scattered local blocks -> scattered remote blocks.
+        let mut data = vec![0u8; REGION];
+        fill(&mut data, n);
+        region.write_at(0, &data).expect("fill");
+        let (local, remote) = scattered_lists(&region, &peer, n);
+        let st = block_on(h.write(conn, local.clone(), remote.clone())).expect("write");
+        assert_eq!(st.bytes, n * BLOCK);
+        assert_eq!(st.descriptors, n as usize);
+        let want = region_sum(&region, n, local_slot);
+        let got: u64 = peer.cmd(&format!("sum {n}")).parse().expect("sum");
+        assert_eq!(got, want, "WRITE of {n} descriptors: remote blocks differ");
+        // READ: the peer's freshly patterned blocks -> local blocks.
+        assert_eq!(peer.cmd(&format!("fill {}", n + 7)), "ok");
+        region.write_at(0, &vec![0u8; REGION]).expect("zero");
+        let st = block_on(h.read(conn, local, remote)).expect("read");
+        assert_eq!(st.bytes, n * BLOCK);
+        for i in (0..n).step_by(((n / 997) as usize).max(1)) {
+            let mut b = vec![0u8; BLOCK as usize];
+            region.read_at(local_slot(i) * SLOT, &mut b).expect("read back");
+            let base = (remote_slot(i) * SLOT) as usize;
+            assert!(
+                b.iter().enumerate().all(|(k, &x)| x == pattern(n + 7, base + k)),
+                "READ of {n} descriptors: block {i} differs"
+            );
+        }
+        let want: u64 = peer.cmd(&format!("sum {n}")).parse().expect("sum");
+        assert_eq!(region_sum(&region, n, local_slot), want, "READ of {n}: checksum");
+        let submit = st.prepare + st.post;
+        report(&format!(
+            "scattered READ {n:>6} descriptors: {} WRs, {} doorbells, prepare {:?}, post {:?}, total {:?}, {:.0} descriptors/s submitted",
+            st.work_requests,
+            st.doorbells,
+            st.prepare,
+            st.post,
+            st.total,
+            n as f64 / submit.as_secs_f64()
+        ));
+    }
+    let (c, inflight) = block_on(h.counters()).expect("counters");
+    assert_eq!(inflight, 0);
+    report(&format!("engine counters: {c:?}"));
+    peer.finish();
+    pool.shutdown();
+}
+
+#[test]
+fn many_tasks_on_many_threads_share_two_engines() {
+    let cfg = config();
+    let Some(pool) = start_pool("many_tasks_on_many_threads_share_two_engines", &cfg, &[0, 1]) else {
+        return;
+    };
+    let mut peer = Peer::spawn("target");
+    let engines: Vec<(EngineHandle, ConnId, Region)> = pool
+        .handles()
+        .iter()
+        .map(|h| {
+            let conn = peer.connect(h);
+            let region = block_on(h.register(8 << 20)).expect("register");
+            (h.clone(), conn, region)
+        })
+        .collect();
+    const THREADS: u64 = 8;
+    const ROUNDS: u64 = 10;
+    const DESCS: u64 = 16;
+    let remote_base = |t: u64| t * (1 << 20);
+    let threads: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (h, conn, region) = engines[(t % 2) as usize].clone();
+            let (addr, rkey) = (peer.addr, peer.rkey);
+            std::thread::spawn(move || {
+                let local_base = (t / 2) * (1 << 20);
+                let mut data = vec![0u8; 1 << 20];
+                fill(&mut data, 1000 + t);
+                region.write_at(local_base, &data).expect("fill");
+                // Many concurrent tasks on this thread's executor-less side: all futures at once.
+                let futs: Vec<_> = (0..ROUNDS)
+                    .map(|r| {
+                        let mut local = LocalDescList::new();
+                        let mut remote = Vec::new();
+                        for d in 0..DESCS {
+                            let off = (r * DESCS + d) * 4096;
+                            local.push(&region, local_base + off, 1024);
+                            remote.push(RemoteDesc {
+                                addr: addr + remote_base(t) + off,
+                                len: 1024,
+                                rkey,
+                            });
+                        }
+                        h.write(conn, local, RemoteDescList(remote))
+                    })
+                    .collect();
+                for f in futs {
+                    block_on(f).expect("concurrent write");
+                }
+            })
+        })
+        .collect();
+    for th in threads {
+        th.join().expect("thread");
+    }
+    for t in 0..THREADS {
+        let mut data = vec![0u8; 1 << 20];
+        fill(&mut data, 1000 + t);
+        let mut want = 0xcbf2_9ce4_8422_2325u64;
+        for k in 0..ROUNDS * DESCS {
+            want = fnv(want, &data[(k * 4096) as usize..(k * 4096 + 1024) as usize]);
+        }
+        let got: u64 = peer
+            .cmd(&format!("strided {} {} 4096 1024", remote_base(t), ROUNDS * DESCS))
+            .parse()
+            .expect("sum");
+        assert_eq!(got, want, "thread {t}'s writes");
+    }
+    for (h, ..) in &engines {
+        let (c, inflight) = block_on(h.counters()).expect("counters");
+        assert_eq!(inflight, 0);
+        assert!(c.transfers_ok >= THREADS / 2 * ROUNDS, "{c:?}");
+    }
+    peer.finish();
+    pool.shutdown();
+}
+
+/// Runs `body` on a fresh glommio executor (for tests that need the `!Send` engine itself).
+fn on_executor(body: impl FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>>> + Send + 'static) {
+    LocalExecutorBuilder::new(Placement::Unbound)
+        .io_memory(DEFAULT_IO_MEMORY)
+        .spawn(move || body())
+        .expect("executor")
+        .join()
+        .expect("executor thread");
+}
+
+async fn connect_local(engine: &Engine, peer: &mut Peer) -> ConnId {
+    peer.ctl.send_str("connect");
+    let theirs = Endpoint::from_bytes(&peer.ctl.recv()).expect("peer endpoint");
+    let (conn, mine) = engine.prepare_connection().await.expect("prepare");
+    peer.ctl.send(&mine.to_bytes());
+    engine.complete_connection(conn, theirs).await.expect("complete");
+    assert_eq!(peer.ctl.recv_str(), "ok");
+    conn
+}
+
+async fn settle(engine: &Engine, until: impl Fn(&Engine) -> bool) {
+    let t0 = Instant::now();
+    while !until(engine) {
+        assert!(t0.elapsed() < Duration::from_secs(30), "engine did not settle: {engine:?}");
+        glommio::timer::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[test]
+fn dropped_or_forgotten_futures_never_free_memory_in_flight() {
+    if require_or_skip("dropped_or_forgotten_futures_never_free_memory_in_flight", || {
+        rixl_verbs::DeviceList::new().and_then(|l| l.find(None).map(|_| ()))
+    })
+    .is_none()
+    {
+        return;
+    }
+    on_executor(|| {
+        Box::pin(async {
+            let engine = Engine::open(config()).await.expect("engine");
+            let mut peer = Peer::spawn("target");
+            let conn = connect_local(&engine, &mut peer).await;
+            let region = engine.register(16 << 20).await.expect("register");
+            let mut data = vec![0u8; 16 << 20];
+            fill(&mut data, 42);
+            region.write_at(0, &data).expect("fill");
+            let before = region.handle_count();
+
+            // 4096 scattered 4 KiB blocks: more work requests than the send queue holds, so the
+            // first poll posts part of them and waits for credits.
+            let mut local = LocalDescList::new();
+            let mut remote = Vec::new();
+            for i in 0..4096u64 {
+                local.push(&region, i * 4096, 4096);
+                remote.push(peer.remote(((i * 7) % 4096) * 4096 + 1, 4096));
+            }
+            let remote = RemoteDescList(remote);
+            let mut fut = Box::pin(engine.write(conn, &local, &remote));
+            assert!(poll_once(&mut fut).await.is_none(), "still in flight after one poll");
+            let posted = engine.counters().work_requests;
+            assert!(posted > 0, "the first poll posted work");
+            drop(fut);
+            drop(local);
+            // The detached slot keeps the region registered while the NIC works.
+            assert_eq!(engine.inflight(), 1);
+            assert!(region.handle_count() > before - 1, "slot holds the region");
+            drop(region);
+            settle(&engine, |e| e.inflight() == 0).await;
+            assert_eq!(engine.counters().work_requests, posted, "nothing posted after the drop");
+            report(&format!("dropped future: {posted} WRs were in flight; slot released after their completions"));
+
+            // mem::forget: the slot stays attached (a leak, never a free) and the engine works on.
+            let region = engine.register(1 << 20).await.expect("register");
+            let mut local = LocalDescList::new();
+            local.push(&region, 0, 1 << 20);
+            let remote = RemoteDescList(vec![peer.remote(0, 1 << 20)]);
+            let mut fut = Box::pin(engine.write(conn, &local, &remote));
+            assert!(poll_once(&mut fut).await.is_none());
+            std::mem::forget(fut);
+            let held = region.handle_count();
+            glommio::timer::sleep(Duration::from_millis(200)).await;
+            assert_eq!(engine.inflight(), 1, "forgotten transfer's slot is still there");
+            assert_eq!(region.handle_count(), held, "and still holds its memory");
+            let st = engine.write(conn, &local, &remote).await.expect("engine still works");
+            assert_eq!(st.bytes, 1 << 20);
+            peer.finish();
+        })
+    });
+}
+
+#[test]
+fn a_stalled_peer_ends_in_the_timeout_error_not_a_hang() {
+    let mut cfg = config();
+    cfg.connect.timeout = 20; // ~4.3 s per transport retry: the transfer deadline comes first
+    cfg.connect.retry_cnt = 7;
+    cfg.transfer_timeout = Duration::from_secs(1);
+    let Some(pool) = start_pool("a_stalled_peer_ends_in_the_timeout_error_not_a_hang", &cfg, &[0]) else {
+        return;
+    };
+    let h = &pool.handles()[0];
+    let mut peer = Peer::spawn("target");
+    let conn = peer.connect(h);
+    let region = block_on(h.register(1 << 20)).expect("register");
+    let mut local = LocalDescList::new();
+    local.push(&region, 0, 1 << 20);
+    let remote = RemoteDescList(vec![peer.remote(0, 1 << 20)]);
+    block_on(h.write(conn, local.clone(), remote.clone())).expect("write while the peer lives");
+    peer.kill();
+    let t0 = Instant::now();
+    let r = block_on(h.write(conn, local.clone(), remote.clone()));
+    let took = t0.elapsed();
+    assert_eq!(r, Err(TransferError::Timeout(Duration::from_secs(1))));
+    assert!(took < Duration::from_secs(4), "timed out after {took:?}");
+    let r = block_on(h.write(conn, local, remote));
+    assert!(matches!(r, Err(TransferError::Connection(..))), "{r:?}");
+    // The failed connection's work is flushed and its slot released.
+    let t0 = Instant::now();
+    while block_on(h.counters()).expect("counters").1 != 0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "slots not released");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    report(&format!("stalled peer: Timeout after {took:?}"));
+    pool.shutdown();
+}
+
+#[test]
+fn a_dead_peer_gives_remote_disconnect() {
+    let mut cfg = config();
+    cfg.connect.timeout = 10; // ~4 ms per retry
+    cfg.connect.retry_cnt = 2;
+    cfg.transfer_timeout = Duration::from_secs(20);
+    let Some(pool) = start_pool("a_dead_peer_gives_remote_disconnect", &cfg, &[0]) else {
+        return;
+    };
+    let h = &pool.handles()[0];
+    let mut peer = Peer::spawn("target");
+    let conn = peer.connect(h);
+    let region = block_on(h.register(1 << 20)).expect("register");
+    let mut local = LocalDescList::new();
+    local.push(&region, 0, 65536);
+    let remote = RemoteDescList(vec![peer.remote(0, 65536)]);
+    block_on(h.write(conn, local.clone(), remote.clone())).expect("write while the peer lives");
+    peer.kill();
+    let t0 = Instant::now();
+    let r = block_on(h.write(conn, local, remote));
+    assert!(
+        matches!(r, Err(TransferError::RemoteDisconnect { status: WcStatus::RetryExceededError })),
+        "{r:?}"
+    );
+    report(&format!("dead peer: RemoteDisconnect after {:?}", t0.elapsed()));
+    pool.shutdown();
+}
+
+#[test]
+fn messages_and_write_notifications_reach_the_peer() {
+    let cfg = config();
+    let Some(pool) = start_pool("messages_and_write_notifications_reach_the_peer", &cfg, &[0]) else {
+        return;
+    };
+    let h = &pool.handles()[0];
+    let mut peer = Peer::spawn("target");
+    let conn = peer.connect(h);
+    block_on(h.send(conn, b"x".to_vec(), None)).expect("send 1");
+    block_on(h.send(conn, vec![7u8; 100], Some(0x1234))).expect("send 2");
+    block_on(h.send(conn, vec![9u8; 4096], None)).expect("send 3");
+    assert_eq!(
+        peer.cmd("recv 3"),
+        "data 1 120 none|data 100 7 0x1234|data 4096 9 none",
+        "first byte of each message reported by the peer"
+    );
+    let too_big = block_on(h.send(conn, vec![0u8; 4097], None));
+    assert!(matches!(too_big, Err(TransferError::InvalidDescriptor(_))));
+    // A WRITE whose last request carries an immediate: the peer learns the data has landed.
+    let region = block_on(h.register(1 << 20)).expect("register");
+    let mut data = vec![0u8; 1 << 20];
+    fill(&mut data, 77);
+    region.write_at(0, &data).expect("fill");
+    let mut local = LocalDescList::new();
+    let mut remote = Vec::new();
+    for i in 0..64u64 {
+        local.push(&region, i * 16384, 8192);
+        remote.push(peer.remote(i * 8192, 8192));
+    }
+    let mut opts = TransferOptions::default();
+    opts.notify_imm = Some(0xfeed);
+    block_on(h.transfer(conn, Op::Write, local, RemoteDescList(remote), opts)).expect("write+imm");
+    assert_eq!(peer.cmd("recv 1"), "imm 0xfeed");
+    let mut want = 0xcbf2_9ce4_8422_2325u64;
+    for i in 0..64usize {
+        want = fnv(want, &data[i * 16384..i * 16384 + 8192]);
+    }
+    let got: u64 = peer.cmd("strided 0 64 8192 8192").parse().expect("sum");
+    assert_eq!(got, want);
+    peer.finish();
+    pool.shutdown();
+}
+
+#[test]
+fn bad_descriptors_are_typed_errors_and_nothing_is_posted() {
+    let cfg = config();
+    let Some(pool) = start_pool("bad_descriptors_are_typed_errors_and_nothing_is_posted", &cfg, &[0, 1])
+    else {
+        return;
+    };
+    let h = &pool.handles()[0];
+    let other = &pool.handles()[1];
+    let mut peer = Peer::spawn("target");
+    let conn = peer.connect(h);
+    let region = block_on(h.register(4096)).expect("register");
+    let foreign = block_on(other.register(4096)).expect("register on the other engine");
+    let one = |r: &Region, off, len| {
+        let mut l = LocalDescList::new();
+        l.push(r, off, len);
+        l
+    };
+    let remote = |len| RemoteDescList(vec![peer.remote(0, len)]);
+    let before = block_on(h.counters()).expect("counters").0.work_requests;
+    let cases: Vec<(&str, LocalDescList, RemoteDescList)> = vec![
+        ("out of range", one(&region, 4000, 200), remote(200)),
+        ("zero length", one(&region, 0, 0), remote(0)),
+        ("length mismatch", one(&region, 0, 100), remote(101)),
+        ("foreign region", one(&foreign, 0, 100), remote(100)),
+        ("empty", LocalDescList::new(), remote(8)),
+        ("overflow", one(&region, 0, 16), RemoteDescList(vec![RemoteDesc { addr: u64::MAX - 8, len: 16, rkey: 1 }])),
+    ];
+    for (what, l, r) in cases {
+        match block_on(h.write(conn, l, r)) {
+            Err(TransferError::InvalidDescriptor(d)) => report(&format!("{what}: {d}")),
+            other => panic!("{what}: expected InvalidDescriptor, got {other:?}"),
+        }
+    }
+    assert_eq!(block_on(h.counters()).expect("counters").0.work_requests, before, "nothing posted");
+    assert!(matches!(
+        block_on(h.write(conn, one(&region, 4000, 200), remote(200))),
+        Err(TransferError::InvalidDescriptor(InvalidDescriptor::OutOfRange { index: 0, .. }))
+    ));
+    // A forged rkey passes local validation and fails at the peer's NIC.
+    let forged = RemoteDescList(vec![RemoteDesc { addr: peer.addr, len: 64, rkey: peer.rkey ^ 0x77_0000 }]);
+    let r = block_on(h.write(conn, one(&region, 0, 64), forged));
+    assert!(matches!(r, Err(TransferError::RemoteAccess { .. })), "{r:?}");
+    // ... and fails the connection (the QP is in error): later transfers say so at once.
+    let r = block_on(h.write(conn, one(&region, 0, 64), remote(64)));
+    assert!(matches!(r, Err(TransferError::Connection(..))), "{r:?}");
+    let _ = peer.len;
+    peer.finish();
+    pool.shutdown();
+}
+
+/// The peer: one engine, a 64 MiB region, and a command loop.
+#[test]
+#[ignore = "peer process entry point; spawned by the RDMA tests"]
+fn peer_process() {
+    let Some((mut ctl, _scenario)) = peer_control() else {
+        return;
+    };
+    let pool = EnginePool::start(&config(), &[0], DEFAULT_IO_MEMORY).expect("peer engine");
+    let h = pool.handles()[0].clone();
+    let region = block_on(h.register(REGION)).expect("register");
+    let mut info = Vec::new();
+    info.extend_from_slice(&region.addr().to_be_bytes());
+    info.extend_from_slice(&region.rkey().to_be_bytes());
+    info.extend_from_slice(&region.len().to_be_bytes());
+    ctl.send(&info);
+    let mut conns = Vec::new();
+    loop {
+        let cmd = ctl.recv_str();
+        let f: Vec<&str> = cmd.split_whitespace().collect();
+        match f.as_slice() {
+            ["quit"] => break,
+            ["exit"] => std::process::exit(0),
+            ["connect"] => {
+                let (conn, mine) = block_on(h.prepare_connection()).expect("prepare");
+                ctl.send(&mine.to_bytes());
+                let theirs = Endpoint::from_bytes(&ctl.recv()).expect("endpoint");
+                block_on(h.complete_connection(conn, theirs)).expect("complete");
+                conns.push(conn);
+                ctl.send_str("ok");
+            }
+            ["fill", seed] => {
+                let mut data = vec![0u8; REGION];
+                fill(&mut data, seed.parse().expect("seed"));
+                region.write_at(0, &data).expect("fill");
+                ctl.send_str("ok");
+            }
+            ["sum", n] => {
+                let n: u64 = n.parse().expect("n");
+                ctl.send_str(&region_sum(&region, n, remote_slot).to_string());
+            }
+            ["strided", base, count, stride, len] => {
+                let p = |s: &str| s.parse::<u64>().expect("number");
+                let (base, count, stride, len) = (p(base), p(count), p(stride), p(len));
+                let mut h = 0xcbf2_9ce4_8422_2325u64;
+                let mut buf = vec![0u8; len as usize];
+                for k in 0..count {
+                    region.read_at(base + k * stride, &mut buf).expect("read");
+                    h = fnv(h, &buf);
+                }
+                ctl.send_str(&h.to_string());
+            }
+            ["recv", n] => {
+                let n: usize = n.parse().expect("n");
+                let conn = conns[0];
+                let msgs: Vec<String> = (0..n)
+                    .map(|_| match block_on(h.recv(conn)).expect("recv") {
+                        Message::Data(d, imm) => format!(
+                            "data {} {} {}",
+                            d.len(),
+                            d[0],
+                            imm.map_or("none".to_string(), |i| format!("{i:#x}"))
+                        ),
+                        Message::Immediate(i) => format!("imm {i:#x}"),
+                        other => format!("{other:?}"),
+                    })
+                    .collect();
+                ctl.send_str(&msgs.join("|"));
+            }
+            other => panic!("peer: unknown command {other:?}"),
+        }
+    }
+    pool.shutdown();
+}

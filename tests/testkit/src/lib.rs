@@ -1,0 +1,133 @@
+//! Test support for rixl's RDMA integration tests (used as a dev-dependency only).
+//!
+//! - [`require_or_skip`]: run a test against real hardware, or print why it is skipped (to stderr,
+//!   past libtest's capture). `RIXL_REQUIRE_RDMA=1` (set by the guest suite) turns a skip into a
+//!   failure, so a suite can never pass by skipping.
+//! - [`spawn_peer`] / [`peer_control`]: the test binary re-executes itself as a peer process (an
+//!   `#[ignore]`d entry test) that connects back over TCP on loopback.
+//! - [`Control`]: a length-prefixed frame channel for the two processes' handshakes and commands.
+#![forbid(unsafe_code)]
+
+use std::fmt::Display;
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+
+/// Runs `open`; on error either skips (prints the reason, returns `None`) or, when
+/// `RIXL_REQUIRE_RDMA=1`, panics.
+pub fn require_or_skip<T, E: Display>(test: &str, open: impl FnOnce() -> Result<T, E>) -> Option<T> {
+    match open() {
+        Ok(v) => Some(v),
+        Err(e) => {
+            if std::env::var("RIXL_REQUIRE_RDMA").as_deref() == Ok("1") {
+                panic!("{test}: RDMA required but unavailable: {e}");
+            }
+            let _ = writeln!(
+                std::io::stderr(),
+                "SKIPPED {test}: no RDMA device ({e}); run it in the rxe guest: scripts/rdma-suite"
+            );
+            None
+        }
+    }
+}
+
+/// Prints a measurement line past libtest's output capture.
+pub fn report(line: &str) {
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+/// A framed control channel (u32 length + bytes).
+#[derive(Debug)]
+pub struct Control(pub TcpStream);
+
+impl Control {
+    /// Sends one frame.
+    pub fn send(&mut self, bytes: &[u8]) {
+        let len = u32::try_from(bytes.len()).expect("frame too large");
+        self.0.write_all(&len.to_be_bytes()).expect("control write");
+        self.0.write_all(bytes).expect("control write");
+    }
+
+    /// Receives one frame.
+    pub fn recv(&mut self) -> Vec<u8> {
+        let mut len = [0u8; 4];
+        self.0.read_exact(&mut len).expect("control read");
+        let mut buf = vec![0u8; u32::from_be_bytes(len) as usize];
+        self.0.read_exact(&mut buf).expect("control read");
+        buf
+    }
+
+    /// Sends a UTF-8 frame.
+    pub fn send_str(&mut self, s: &str) {
+        self.send(s.as_bytes());
+    }
+
+    /// Receives a UTF-8 frame.
+    pub fn recv_str(&mut self) -> String {
+        String::from_utf8(self.recv()).expect("utf8 frame")
+    }
+}
+
+/// Spawns this test binary again as the peer: it runs the ignored test `peer_test` with
+/// `RIXL_PEER_PORT` and `RIXL_PEER_SCENARIO` set, and connects back to the returned channel.
+pub fn spawn_peer(peer_test: &str, scenario: &str) -> (Child, Control) {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind control listener");
+    let port = listener.local_addr().expect("addr").port();
+    let exe = std::env::current_exe().expect("current exe");
+    let child = Command::new(exe)
+        .args([peer_test, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .env("RIXL_PEER_PORT", port.to_string())
+        .env("RIXL_PEER_SCENARIO", scenario)
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawn peer process");
+    let (stream, _) = listener.accept().expect("peer connects back");
+    stream.set_nodelay(true).ok();
+    (child, Control(stream))
+}
+
+/// In the peer process: the control channel and scenario name, or `None` when this process is
+/// not a peer (the entry test then returns at once).
+pub fn peer_control() -> Option<(Control, String)> {
+    let port: u16 = std::env::var("RIXL_PEER_PORT").ok()?.parse().ok()?;
+    let scenario = std::env::var("RIXL_PEER_SCENARIO").unwrap_or_default();
+    let s = TcpStream::connect(("127.0.0.1", port)).expect("connect to parent");
+    s.set_nodelay(true).ok();
+    Some((Control(s), scenario))
+}
+
+/// Deterministic test pattern byte for `(seed, offset)`.
+pub fn pattern(seed: u64, off: usize) -> u8 {
+    let x = (off as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed.wrapping_mul(0xd6e8_feb8_6659_fd93);
+    (x >> 29) as u8 ^ (off as u8)
+}
+
+/// Fills `buf` with the pattern of `seed`, offsets counted from `base`.
+pub fn fill_from(buf: &mut [u8], seed: u64, base: usize) {
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = pattern(seed, base + i);
+    }
+}
+
+/// Fills `buf` with the pattern of `seed`.
+pub fn fill(buf: &mut [u8], seed: u64) {
+    fill_from(buf, seed, 0);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn patterns_differ_by_seed_and_offset() {
+        let mut a = vec![0u8; 4096];
+        let mut b = vec![0u8; 4096];
+        fill(&mut a, 1);
+        fill(&mut b, 2);
+        assert_ne!(a, b);
+        assert!(a.windows(2).any(|w| w[0] != w[1]));
+        let mut c = vec![0u8; 100];
+        fill_from(&mut c, 1, 50);
+        assert_eq!(&c[..], &a[50..150]);
+    }
+}
