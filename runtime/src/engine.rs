@@ -19,6 +19,7 @@ use rixl_verbs::{
 use slab::Slab;
 use tracing::Instrument;
 
+use crate::credits::SendCredits;
 use crate::desc::{LocalDescList, Op, Region, RemoteDescList};
 use crate::error::{InvalidDescriptor, RuntimeError, TransferError};
 use crate::inflight::{InflightTable, Routed, SlotId};
@@ -88,9 +89,14 @@ impl Default for EngineConfig {
 impl EngineConfig {
     /// Device and GID index from `RIXL_RDMA_DEVICE` / `RIXL_GID_INDEX` when set.
     pub fn from_env() -> Self {
-        let mut c = Self::default();
-        c.device = std::env::var("RIXL_RDMA_DEVICE").ok();
-        if let Some(g) = std::env::var("RIXL_GID_INDEX").ok().and_then(|v| v.parse().ok()) {
+        let mut c = EngineConfig {
+            device: std::env::var("RIXL_RDMA_DEVICE").ok(),
+            ..Self::default()
+        };
+        if let Some(g) = std::env::var("RIXL_GID_INDEX")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
             c.connect.gid_index = g;
         }
         c
@@ -186,10 +192,7 @@ struct Conn {
     qp: Arc<QueuePair>,
     psn: u32,
     status: ConnStatus,
-    sq_free: u32,
-    /// For every posted signaled work request, in posting order: how many SQ slots it frees.
-    signaled_frees: VecDeque<u32>,
-    since_signal: u32,
+    credits: SendCredits,
     credit_waiters: Vec<Waker>,
     recv_region: Region,
     inbox: VecDeque<Message>,
@@ -384,7 +387,7 @@ impl Engine {
                 let mut caps = QueuePairCapabilities::default();
                 caps.max_send_wr = cfg.send_queue_depth;
                 caps.max_recv_wr = cfg.recv_buffers;
-                caps.max_send_sge = 16.min(caps.max_send_sge.max(16));
+                caps.max_send_sge = 16;
                 caps.max_recv_sge = 1;
                 let dev = pd.context().query_device()?;
                 caps.max_send_sge = caps.max_send_sge.min(dev.max_sge);
@@ -399,7 +402,7 @@ impl Engine {
         let qp = Arc::new(qp);
         let mut st = self.inner.state.borrow_mut();
         let st = &mut *st;
-        let sq_free = qp.capabilities().max_send_wr;
+        let credits = SendCredits::new(qp.capabilities().max_send_wr, cfg.signal_interval);
         let entry = st.conns.vacant_entry();
         let id = u32::try_from(entry.key()).unwrap_or(u32::MAX);
         // Post every receive buffer now (INIT accepts receives).
@@ -420,16 +423,19 @@ impl Engine {
             qp,
             psn,
             status: ConnStatus::Prepared,
-            sq_free,
-            signaled_frees: VecDeque::new(),
-            since_signal: 0,
+            credits,
             credit_waiters: Vec::new(),
             recv_region,
             inbox: VecDeque::new(),
             inbox_waiter: None,
             max_msg: u64::from(u32::MAX),
         });
-        tracing::debug!(engine = self.inner.id, conn = id, qpn = ep.qpn, "connection prepared");
+        tracing::debug!(
+            engine = self.inner.id,
+            conn = id,
+            qpn = ep.qpn,
+            "connection prepared"
+        );
         Ok((ConnId(id), ep))
     }
 
@@ -437,7 +443,11 @@ impl Engine {
     ///
     /// # Errors
     /// [`RuntimeError::UnknownConnection`] or the verbs error of a refused transition.
-    pub async fn complete_connection(&self, conn: ConnId, remote: Endpoint) -> Result<(), RuntimeError> {
+    pub async fn complete_connection(
+        &self,
+        conn: ConnId,
+        remote: Endpoint,
+    ) -> Result<(), RuntimeError> {
         let (qp, psn) = {
             let st = self.inner.state.borrow();
             let c = st
@@ -466,7 +476,8 @@ impl Engine {
     /// Fails a connection: its QP moves to ERROR, every outstanding transfer on it ends with
     /// [`TransferError::Flushed`] (or its own earlier error) once the NIC has flushed its work.
     pub fn abort_connection(&self, conn: ConnId, reason: &str) {
-        self.inner.fail_connection(conn.0, reason, &TransferError::Flushed);
+        self.inner
+            .fail_connection(conn.0, reason, &TransferError::Flushed);
     }
 
     /// Closes a connection: fails it, waits until nothing of it is in flight, and destroys its
@@ -479,9 +490,11 @@ impl Engine {
             let busy = st
                 .conns
                 .get(conn.0 as usize)
-                .is_some_and(|c| !c.signaled_frees.is_empty());
+                .is_some_and(|c| !c.credits.is_idle());
             if busy {
-                st.conns[conn.0 as usize].credit_waiters.push(cx.waker().clone());
+                st.conns[conn.0 as usize]
+                    .credit_waiters
+                    .push(cx.waker().clone());
                 inner.kick_progress();
                 Poll::Pending
             } else {
@@ -548,7 +561,15 @@ impl Engine {
         );
         let timeout = opts.timeout.unwrap_or(self.inner.cfg.transfer_timeout);
         let inner = Rc::clone(&self.inner);
-        let run = transfer_inner(Rc::clone(&inner), conn, op, local, remote, opts, span.clone());
+        let run = transfer_inner(
+            Rc::clone(&inner),
+            conn,
+            op,
+            local,
+            remote,
+            opts,
+            span.clone(),
+        );
         let timer = async {
             glommio::timer::Timer::new(timeout).await;
             Err(TransferError::Timeout(timeout))
@@ -561,6 +582,12 @@ impl Engine {
             // memory by failing the connection: the QP flushes, the slot is released then.
             inner.fail_connection(conn.0, "transfer timed out", &TransferError::Flushed);
             tracing::warn!(parent: &span, ?timeout, "transfer timed out; connection failed");
+        }
+        match &result {
+            Ok(st) => {
+                tracing::debug!(parent: &span, total_us = st.total.as_micros() as u64, post_us = st.post.as_micros() as u64, "transfer complete")
+            }
+            Err(e) => tracing::debug!(parent: &span, error = %e, "transfer failed"),
         }
         bump(&inner.counters, |c| {
             if result.is_ok() {
@@ -576,15 +603,22 @@ impl Engine {
     ///
     /// # Errors
     /// [`TransferError::InvalidDescriptor`] if it is too large; otherwise as a transfer.
-    pub async fn send(&self, conn: ConnId, msg: &[u8], imm: Option<u32>) -> Result<(), TransferError> {
+    pub async fn send(
+        &self,
+        conn: ConnId,
+        msg: &[u8],
+        imm: Option<u32>,
+    ) -> Result<(), TransferError> {
         let max = self.inner.cfg.max_message;
         if msg.len() > max as usize || msg.is_empty() {
-            return Err(TransferError::InvalidDescriptor(InvalidDescriptor::OutOfRange {
-                index: 0,
-                offset: 0,
-                len: msg.len() as u64,
-                region_len: u64::from(max),
-            }));
+            return Err(TransferError::InvalidDescriptor(
+                InvalidDescriptor::OutOfRange {
+                    index: 0,
+                    offset: 0,
+                    len: msg.len() as u64,
+                    region_len: u64::from(max),
+                },
+            ));
         }
         let inner = Rc::clone(&self.inner);
         let slot = poll_fn(|cx| match inner.msg_free.borrow_mut().pop() {
@@ -680,6 +714,16 @@ fn rand_u32() -> u32 {
     t.wrapping_mul(2_654_435_761)
 }
 
+/// One transfer's posting parameters.
+#[derive(Clone, Copy)]
+struct Job<'a> {
+    op: Op,
+    slot: SlotId,
+    plan: &'a Plan,
+    notify_imm: Option<u32>,
+    regions: &'a [Region],
+}
+
 /// Detaches a slot when the transfer future goes away before taking its result.
 struct SlotGuard {
     inner: Rc<Inner>,
@@ -691,7 +735,11 @@ impl Drop for SlotGuard {
     fn drop(&mut self) {
         if self.armed {
             let released = self.inner.state.borrow_mut().inflight.detach(self.slot);
-            tracing::debug!(slot = self.slot.key, released, "transfer future dropped; slot detached");
+            tracing::debug!(
+                slot = self.slot.key,
+                released,
+                "transfer future dropped; slot detached"
+            );
         }
     }
 }
@@ -716,7 +764,11 @@ impl Inner {
         if let Err(e) = c.qp.to_error() {
             tracing::warn!(conn, error = %e, "moving QP to error failed");
         }
-        let waiters: Vec<Waker> = c.credit_waiters.drain(..).chain(c.inbox_waiter.take()).collect();
+        let waiters: Vec<Waker> = c
+            .credit_waiters
+            .drain(..)
+            .chain(c.inbox_waiter.take())
+            .collect();
         st.inflight.fail_connection(conn, err);
         drop(st);
         for w in waiters {
@@ -748,12 +800,15 @@ impl Inner {
                     return Poll::Ready(Err(TransferError::Connection(conn, why.clone())))
                 }
                 ConnStatus::Prepared => {
-                    return Poll::Ready(Err(TransferError::Connection(conn, "not connected".into())))
+                    return Poll::Ready(Err(TransferError::Connection(
+                        conn,
+                        "not connected".into(),
+                    )))
                 }
                 ConnStatus::Ready => {}
             }
-            if c.sq_free > 0 {
-                Poll::Ready(Ok(c.sq_free))
+            if c.credits.available() > 0 {
+                Poll::Ready(Ok(c.credits.available()))
             } else {
                 c.credit_waiters.push(cx.waker().clone());
                 Poll::Pending
@@ -766,13 +821,16 @@ impl Inner {
     fn post_chunk(
         &self,
         conn: u32,
-        op: Op,
-        slot: SlotId,
-        plan: &Plan,
+        job: &Job<'_>,
         range: std::ops::Range<usize>,
-        notify_imm: Option<u32>,
-        regions: &[Region],
     ) -> Result<usize, TransferError> {
+        let Job {
+            op,
+            slot,
+            plan,
+            notify_imm,
+            regions,
+        } = *job;
         let mut st = self.state.borrow_mut();
         let State {
             conns,
@@ -784,15 +842,11 @@ impl Inner {
             .get_mut(conn as usize)
             .ok_or_else(|| TransferError::Connection(conn, "unknown".into()))?;
         batch.clear();
-        let interval = self.cfg.signal_interval.max(1);
-        let last = range.end - 1;
-        let mut signaled = 0u32;
-        let mut frees = Vec::new();
-        for i in range.clone() {
+        let n = range.len();
+        let signals = c.credits.plan(n as u32);
+        for (i, &signal) in range.clone().zip(&signals.flags) {
             let wr = &plan.wrs[i];
-            c.since_signal += 1;
             let is_last_of_transfer = i + 1 == plan.wrs.len();
-            let signal = i == last || c.since_signal >= interval;
             let op = match (op, notify_imm) {
                 (Op::Write, Some(imm)) if is_last_of_transfer => SendOp::WriteWithImm {
                     remote_addr: wr.remote_addr,
@@ -817,18 +871,12 @@ impl Inner {
                     ..SendFlags::default()
                 },
             );
-            if signal {
-                frees.push(c.since_signal);
-                c.since_signal = 0;
-                signaled += 1;
-            }
         }
-        let n = range.len();
         let buffers: Vec<&RegisteredBuffer> = regions.iter().map(Region::buffer).collect();
         match c.qp.post_send_in(batch, &buffers) {
             Ok(()) => {
-                c.sq_free -= n as u32;
-                c.signaled_frees.extend(frees);
+                let signaled = signals.signaled();
+                c.credits.commit(signals);
                 inflight.add_signaled(slot, signaled);
                 bump(&self.counters, |k| {
                     k.work_requests += n as u64;
@@ -836,11 +884,8 @@ impl Inner {
                 });
                 Ok(n)
             }
-            Err(e) => {
-                // Nothing of a refused batch counts; the connection is unusable now.
-                c.since_signal = 0;
-                Err(TransferError::Post(e.to_string()))
-            }
+            // Nothing of a refused batch counts; the connection is failed by the caller.
+            Err(e) => Err(TransferError::Post(e.to_string())),
         }
     }
 
@@ -862,9 +907,7 @@ impl Inner {
         let mut failed = None;
         if let Some(c) = conn.and_then(|k| st.conns.get_mut(k as usize)) {
             if signaled {
-                if let Some(n) = c.signaled_frees.pop_front() {
-                    c.sq_free += n;
-                }
+                c.credits.on_signaled_completion();
                 wake.append(&mut c.credit_waiters);
             }
             if !wc.is_success() && c.status == ConnStatus::Ready {
@@ -957,7 +1000,11 @@ async fn transfer_inner(
     let mut regions = Vec::with_capacity(local.regions().len());
     for (i, r) in local.regions().iter().enumerate() {
         if r.engine_id() != inner.id {
-            let index = local.descs().iter().position(|d| d.region as usize == i).unwrap_or(0);
+            let index = local
+                .descs()
+                .iter()
+                .position(|d| d.region as usize == i)
+                .unwrap_or(0);
             return Err(InvalidDescriptor::ForeignRegion { index }.into());
         }
         regions.push(RegionInfo {
@@ -969,7 +1016,12 @@ async fn transfer_inner(
     if opts.notify_imm.is_some() && op == Op::Read {
         return Err(TransferError::Post("notify_imm needs a WRITE".into()));
     }
-    let plan = plan::plan(&regions, local.descs(), &remote.0, inner.limits(op, &qp, max_msg))?;
+    let plan = plan::plan(
+        &regions,
+        local.descs(),
+        &remote.0,
+        inner.limits(op, &qp, max_msg),
+    )?;
     span.record("bytes", plan.bytes);
     span.record("wrs", plan.wrs.len());
     let prepared = Instant::now();
@@ -985,6 +1037,13 @@ async fn transfer_inner(
         slot,
         armed: true,
     };
+    let job = Job {
+        op,
+        slot,
+        plan: &plan,
+        notify_imm: opts.notify_imm,
+        regions: local.regions(),
+    };
     let batch = inner.cfg.post_batch.max(1) as usize;
     let mut next = 0usize;
     let mut doorbells = 0usize;
@@ -998,7 +1057,7 @@ async fn transfer_inner(
             }
         };
         let end = (next + free.min(batch)).min(plan.wrs.len());
-        match inner.post_chunk(conn.0, op, slot, &plan, next..end, opts.notify_imm, local.regions()) {
+        match inner.post_chunk(conn.0, &job, next..end) {
             Ok(n) => {
                 next += n;
                 doorbells += 1;
@@ -1051,17 +1110,20 @@ async fn post_single(
     };
     let posted = {
         let mut st = inner.state.borrow_mut();
-        let State { conns, inflight, batch, .. } = &mut *st;
+        let State {
+            conns,
+            inflight,
+            batch,
+            ..
+        } = &mut *st;
         let c = conns
             .get_mut(conn.0 as usize)
             .ok_or_else(|| TransferError::Connection(conn.0, "unknown".into()))?;
         batch.clear();
         batch.push(slot.wr_id(true), op, &[sge], SendFlags::SIGNALED);
-        c.since_signal = 0;
         match c.qp.post_send_in(batch, &[msg_region.buffer()]) {
             Ok(()) => {
-                c.sq_free -= 1;
-                c.signaled_frees.push_back(1);
+                c.credits.commit(c.credits.plan(1));
                 inflight.add_signaled(slot, 1);
                 Ok(())
             }
@@ -1108,7 +1170,12 @@ async fn progress(inner: Rc<Inner>) {
         }
         bump(&inner.counters, |c| c.empty_polls += 1);
         let idle = inner.state.borrow().inflight.signaled_outstanding() == 0
-            && inner.state.borrow().conns.iter().all(|(_, c)| c.signaled_frees.is_empty());
+            && inner
+                .state
+                .borrow()
+                .conns
+                .iter()
+                .all(|(_, c)| c.credits.is_idle());
         let waiting_recv = inner
             .state
             .borrow()

@@ -8,7 +8,9 @@ use glommio::{LocalExecutorBuilder, Placement};
 use rixl_verbs::Endpoint;
 
 use crate::desc::{LocalDescList, Op, Region, RemoteDescList};
-use crate::engine::{ConnId, Engine, EngineConfig, EngineCounters, Message, TransferOptions, TransferStats};
+use crate::engine::{
+    ConnId, Engine, EngineConfig, EngineCounters, Message, TransferOptions, TransferStats,
+};
 use crate::error::{RuntimeError, TransferError};
 
 type Reply<T> = oneshot::Sender<T>;
@@ -25,7 +27,12 @@ enum Command {
         opts: TransferOptions,
         reply: Reply<Result<TransferStats, TransferError>>,
     },
-    Send(ConnId, Vec<u8>, Option<u32>, Reply<Result<(), TransferError>>),
+    Send(
+        ConnId,
+        Vec<u8>,
+        Option<u32>,
+        Reply<Result<(), TransferError>>,
+    ),
     Recv(ConnId, Reply<Result<Message, TransferError>>),
     Counters(Reply<(EngineCounters, usize)>),
     Close(ConnId, Reply<()>),
@@ -41,7 +48,10 @@ pub struct EngineHandle {
     id: u64,
 }
 
-async fn ask<T>(tx: &mpsc::UnboundedSender<Command>, make: impl FnOnce(Reply<T>) -> Command) -> Option<T> {
+async fn ask<T>(
+    tx: &mpsc::UnboundedSender<Command>,
+    make: impl FnOnce(Reply<T>) -> Command,
+) -> Option<T> {
     let (reply, rx) = oneshot::channel();
     tx.unbounded_send(make(reply)).ok()?;
     rx.await.ok()
@@ -58,7 +68,9 @@ impl EngineHandle {
     /// # Errors
     /// As [`Engine::register`], or [`RuntimeError::EngineGone`].
     pub async fn register(&self, len: usize) -> Result<Region, RuntimeError> {
-        ask(&self.tx, |r| Command::Register(len, r)).await.unwrap_or(Err(RuntimeError::EngineGone))
+        ask(&self.tx, |r| Command::Register(len, r))
+            .await
+            .unwrap_or(Err(RuntimeError::EngineGone))
     }
 
     /// See [`Engine::prepare_connection`].
@@ -66,14 +78,20 @@ impl EngineHandle {
     /// # Errors
     /// As [`Engine::prepare_connection`], or [`RuntimeError::EngineGone`].
     pub async fn prepare_connection(&self) -> Result<(ConnId, Endpoint), RuntimeError> {
-        ask(&self.tx, Command::Prepare).await.unwrap_or(Err(RuntimeError::EngineGone))
+        ask(&self.tx, Command::Prepare)
+            .await
+            .unwrap_or(Err(RuntimeError::EngineGone))
     }
 
     /// See [`Engine::complete_connection`].
     ///
     /// # Errors
     /// As [`Engine::complete_connection`], or [`RuntimeError::EngineGone`].
-    pub async fn complete_connection(&self, conn: ConnId, remote: Endpoint) -> Result<(), RuntimeError> {
+    pub async fn complete_connection(
+        &self,
+        conn: ConnId,
+        remote: Endpoint,
+    ) -> Result<(), RuntimeError> {
         ask(&self.tx, |r| Command::Complete(conn, remote, r))
             .await
             .unwrap_or(Err(RuntimeError::EngineGone))
@@ -107,23 +125,40 @@ impl EngineHandle {
     ///
     /// # Errors
     /// As [`Engine::transfer`].
-    pub async fn write(&self, conn: ConnId, local: LocalDescList, remote: RemoteDescList) -> Result<TransferStats, TransferError> {
-        self.transfer(conn, Op::Write, local, remote, TransferOptions::default()).await
+    pub async fn write(
+        &self,
+        conn: ConnId,
+        local: LocalDescList,
+        remote: RemoteDescList,
+    ) -> Result<TransferStats, TransferError> {
+        self.transfer(conn, Op::Write, local, remote, TransferOptions::default())
+            .await
     }
 
     /// RDMA READ; see [`Engine::read`].
     ///
     /// # Errors
     /// As [`Engine::transfer`].
-    pub async fn read(&self, conn: ConnId, local: LocalDescList, remote: RemoteDescList) -> Result<TransferStats, TransferError> {
-        self.transfer(conn, Op::Read, local, remote, TransferOptions::default()).await
+    pub async fn read(
+        &self,
+        conn: ConnId,
+        local: LocalDescList,
+        remote: RemoteDescList,
+    ) -> Result<TransferStats, TransferError> {
+        self.transfer(conn, Op::Read, local, remote, TransferOptions::default())
+            .await
     }
 
     /// See [`Engine::send`].
     ///
     /// # Errors
     /// As [`Engine::send`].
-    pub async fn send(&self, conn: ConnId, msg: Vec<u8>, imm: Option<u32>) -> Result<(), TransferError> {
+    pub async fn send(
+        &self,
+        conn: ConnId,
+        msg: Vec<u8>,
+        imm: Option<u32>,
+    ) -> Result<(), TransferError> {
         ask(&self.tx, |r| Command::Send(conn, msg, imm, r))
             .await
             .unwrap_or(Err(TransferError::EngineGone))
@@ -134,7 +169,9 @@ impl EngineHandle {
     /// # Errors
     /// As [`Engine::recv`].
     pub async fn recv(&self, conn: ConnId) -> Result<Message, TransferError> {
-        ask(&self.tx, |r| Command::Recv(conn, r)).await.unwrap_or(Err(TransferError::EngineGone))
+        ask(&self.tx, |r| Command::Recv(conn, r))
+            .await
+            .unwrap_or(Err(TransferError::EngineGone))
     }
 
     /// The engine's counters and its live in-flight slots.
@@ -142,7 +179,9 @@ impl EngineHandle {
     /// # Errors
     /// [`RuntimeError::EngineGone`].
     pub async fn counters(&self) -> Result<(EngineCounters, usize), RuntimeError> {
-        ask(&self.tx, Command::Counters).await.ok_or(RuntimeError::EngineGone)
+        ask(&self.tx, Command::Counters)
+            .await
+            .ok_or(RuntimeError::EngineGone)
     }
 
     /// See [`Engine::close_connection`].
@@ -166,25 +205,47 @@ async fn serve(engine: Engine, mut rx: mpsc::UnboundedReceiver<Command>) {
         let e = engine.clone();
         match cmd {
             Command::Register(len, r) => {
-                glommio::spawn_local(async move { let _ = r.send(e.register(len).await); }).detach();
+                glommio::spawn_local(async move {
+                    let _ = r.send(e.register(len).await);
+                })
+                .detach();
             }
             Command::Prepare(r) => {
-                glommio::spawn_local(async move { let _ = r.send(e.prepare_connection().await); }).detach();
+                glommio::spawn_local(async move {
+                    let _ = r.send(e.prepare_connection().await);
+                })
+                .detach();
             }
             Command::Complete(c, ep, r) => {
-                glommio::spawn_local(async move { let _ = r.send(e.complete_connection(c, ep).await); }).detach();
+                glommio::spawn_local(async move {
+                    let _ = r.send(e.complete_connection(c, ep).await);
+                })
+                .detach();
             }
-            Command::Transfer { conn, op, local, remote, opts, reply } => {
+            Command::Transfer {
+                conn,
+                op,
+                local,
+                remote,
+                opts,
+                reply,
+            } => {
                 glommio::spawn_local(async move {
                     let _ = reply.send(e.transfer(conn, op, &local, &remote, opts).await);
                 })
                 .detach();
             }
             Command::Send(c, m, imm, r) => {
-                glommio::spawn_local(async move { let _ = r.send(e.send(c, &m, imm).await); }).detach();
+                glommio::spawn_local(async move {
+                    let _ = r.send(e.send(c, &m, imm).await);
+                })
+                .detach();
             }
             Command::Recv(c, r) => {
-                glommio::spawn_local(async move { let _ = r.send(e.recv(c).await); }).detach();
+                glommio::spawn_local(async move {
+                    let _ = r.send(e.recv(c).await);
+                })
+                .detach();
             }
             Command::Counters(r) => {
                 let _ = r.send((e.counters(), e.inflight()));
@@ -222,7 +283,11 @@ impl EnginePool {
     /// # Errors
     /// [`RuntimeError::MemlockTooLow`], [`RuntimeError::IoUringDisabled`], an executor that
     /// failed to start, or the first engine that failed to open.
-    pub fn start(cfg: &EngineConfig, cpus: &[usize], io_memory: usize) -> Result<Self, RuntimeError> {
+    pub fn start(
+        cfg: &EngineConfig,
+        cpus: &[usize],
+        io_memory: usize,
+    ) -> Result<Self, RuntimeError> {
         crate::preflight::check(cpus.len(), io_memory)?;
         let mut pool = EnginePool {
             handles: Vec::new(),
@@ -256,7 +321,9 @@ impl EnginePool {
                 }
                 Err(_) => {
                     pool.shutdown_inner();
-                    return Err(RuntimeError::Executor(format!("executor on CPU {cpu} died while starting")));
+                    return Err(RuntimeError::Executor(format!(
+                        "executor on CPU {cpu} died while starting"
+                    )));
                 }
             }
         }

@@ -1,6 +1,7 @@
 //! `rixl-runtime`: thread-per-core engines that turn RDMA completions into futures.
 #![forbid(unsafe_code)]
 
+pub mod credits;
 pub mod desc;
 pub mod error;
 pub mod inflight;
@@ -11,8 +12,7 @@ pub use error::{InvalidDescriptor, RuntimeError, TransferError};
 pub mod engine;
 
 pub use engine::{
-    ConnId, Engine, EngineConfig, EngineCounters, Message, PollMode, TransferOptions,
-    TransferStats,
+    ConnId, Engine, EngineConfig, EngineCounters, Message, PollMode, TransferOptions, TransferStats,
 };
 pub mod handle;
 pub mod preflight;

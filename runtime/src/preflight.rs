@@ -14,7 +14,9 @@ pub fn memlock_needed(executors: usize, io_memory: usize) -> u64 {
 /// Soft RLIMIT_MEMLOCK of this process in bytes (`None` = unlimited or unknown).
 pub fn memlock_limit() -> Option<u64> {
     let limits = fs::read_to_string("/proc/self/limits").ok()?;
-    let line = limits.lines().find(|l| l.starts_with("Max locked memory"))?;
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max locked memory"))?;
     let soft = line.split_whitespace().nth(3)?;
     soft.parse().ok()
 }
@@ -44,12 +46,18 @@ pub fn check(executors: usize, io_memory: usize) -> Result<(), RuntimeError> {
             return Err(RuntimeError::IoUringDisabled(v));
         }
     }
-    check_memlock(memlock_limit(), has_ipc_lock(), memlock_needed(executors, io_memory))
+    check_memlock(
+        memlock_limit(),
+        has_ipc_lock(),
+        memlock_needed(executors, io_memory),
+    )
 }
 
 fn check_memlock(limit: Option<u64>, ipc_lock: bool, needed: u64) -> Result<(), RuntimeError> {
     match limit {
-        Some(limit) if !ipc_lock && limit < needed => Err(RuntimeError::MemlockTooLow { limit, needed }),
+        Some(limit) if !ipc_lock && limit < needed => {
+            Err(RuntimeError::MemlockTooLow { limit, needed })
+        }
         _ => Ok(()),
     }
 }
@@ -63,7 +71,10 @@ mod tests {
         let need = memlock_needed(2, 64 << 10);
         assert_eq!(need, 2 * (3 * 65536 + 524288));
         assert!(check_memlock(Some(need - 1), false, need).is_err());
-        assert!(check_memlock(Some(need - 1), true, need).is_ok(), "CAP_IPC_LOCK lifts the limit");
+        assert!(
+            check_memlock(Some(need - 1), true, need).is_ok(),
+            "CAP_IPC_LOCK lifts the limit"
+        );
         assert!(check_memlock(None, false, need).is_ok(), "unlimited");
         assert!(matches!(
             check_memlock(Some(8 << 20), false, 64 << 20),

@@ -122,14 +122,19 @@ fn scattered_lists(region: &Region, peer: &Peer, n: u64) -> (LocalDescList, Remo
 }
 
 fn region_sum(region: &Region, n: u64, slot: fn(u64) -> u64) -> u64 {
-    blocks_sum(n, slot, |off, buf| region.read_at(off, buf).expect("read region"))
+    blocks_sum(n, slot, |off, buf| {
+        region.read_at(off, buf).expect("read region")
+    })
 }
 
 #[test]
 fn scattered_write_and_read_of_1_100_10k_100k_descriptors() {
     let cfg = config();
-    let Some(pool) = start_pool("scattered_write_and_read_of_1_100_10k_100k_descriptors", &cfg, &[0])
-    else {
+    let Some(pool) = start_pool(
+        "scattered_write_and_read_of_1_100_10k_100k_descriptors",
+        &cfg,
+        &[0],
+    ) else {
         return;
     };
     let h = &pool.handles()[0];
@@ -155,15 +160,23 @@ fn scattered_write_and_read_of_1_100_10k_100k_descriptors() {
         assert_eq!(st.bytes, n * BLOCK);
         for i in (0..n).step_by(((n / 997) as usize).max(1)) {
             let mut b = vec![0u8; BLOCK as usize];
-            region.read_at(local_slot(i) * SLOT, &mut b).expect("read back");
+            region
+                .read_at(local_slot(i) * SLOT, &mut b)
+                .expect("read back");
             let base = (remote_slot(i) * SLOT) as usize;
             assert!(
-                b.iter().enumerate().all(|(k, &x)| x == pattern(n + 7, base + k)),
+                b.iter()
+                    .enumerate()
+                    .all(|(k, &x)| x == pattern(n + 7, base + k)),
                 "READ of {n} descriptors: block {i} differs"
             );
         }
         let want: u64 = peer.cmd(&format!("sum {n}")).parse().expect("sum");
-        assert_eq!(region_sum(&region, n, local_slot), want, "READ of {n}: checksum");
+        assert_eq!(
+            region_sum(&region, n, local_slot),
+            want,
+            "READ of {n}: checksum"
+        );
         let submit = st.prepare + st.post;
         report(&format!(
             "scattered READ {n:>6} descriptors: {} WRs, {} doorbells, prepare {:?}, post {:?}, total {:?}, {:.0} descriptors/s submitted",
@@ -185,7 +198,11 @@ fn scattered_write_and_read_of_1_100_10k_100k_descriptors() {
 #[test]
 fn many_tasks_on_many_threads_share_two_engines() {
     let cfg = config();
-    let Some(pool) = start_pool("many_tasks_on_many_threads_share_two_engines", &cfg, &[0, 1]) else {
+    let Some(pool) = start_pool(
+        "many_tasks_on_many_threads_share_two_engines",
+        &cfg,
+        &[0, 1],
+    ) else {
         return;
     };
     let mut peer = Peer::spawn("target");
@@ -245,7 +262,11 @@ fn many_tasks_on_many_threads_share_two_engines() {
             want = fnv(want, &data[(k * 4096) as usize..(k * 4096 + 1024) as usize]);
         }
         let got: u64 = peer
-            .cmd(&format!("strided {} {} 4096 1024", remote_base(t), ROUNDS * DESCS))
+            .cmd(&format!(
+                "strided {} {} 4096 1024",
+                remote_base(t),
+                ROUNDS * DESCS
+            ))
             .parse()
             .expect("sum");
         assert_eq!(got, want, "thread {t}'s writes");
@@ -260,10 +281,12 @@ fn many_tasks_on_many_threads_share_two_engines() {
 }
 
 /// Runs `body` on a fresh glommio executor (for tests that need the `!Send` engine itself).
-fn on_executor(body: impl FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>>> + Send + 'static) {
+fn on_executor(
+    body: impl FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>>> + Send + 'static,
+) {
     LocalExecutorBuilder::new(Placement::Unbound)
         .io_memory(DEFAULT_IO_MEMORY)
-        .spawn(move || body())
+        .spawn(body)
         .expect("executor")
         .join()
         .expect("executor thread");
@@ -274,7 +297,10 @@ async fn connect_local(engine: &Engine, peer: &mut Peer) -> ConnId {
     let theirs = Endpoint::from_bytes(&peer.ctl.recv()).expect("peer endpoint");
     let (conn, mine) = engine.prepare_connection().await.expect("prepare");
     peer.ctl.send(&mine.to_bytes());
-    engine.complete_connection(conn, theirs).await.expect("complete");
+    engine
+        .complete_connection(conn, theirs)
+        .await
+        .expect("complete");
     assert_eq!(peer.ctl.recv_str(), "ok");
     conn
 }
@@ -282,16 +308,20 @@ async fn connect_local(engine: &Engine, peer: &mut Peer) -> ConnId {
 async fn settle(engine: &Engine, until: impl Fn(&Engine) -> bool) {
     let t0 = Instant::now();
     while !until(engine) {
-        assert!(t0.elapsed() < Duration::from_secs(30), "engine did not settle: {engine:?}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "engine did not settle: {engine:?}"
+        );
         glommio::timer::sleep(Duration::from_millis(5)).await;
     }
 }
 
 #[test]
 fn dropped_or_forgotten_futures_never_free_memory_in_flight() {
-    if require_or_skip("dropped_or_forgotten_futures_never_free_memory_in_flight", || {
-        rixl_verbs::DeviceList::new().and_then(|l| l.find(None).map(|_| ()))
-    })
+    if require_or_skip(
+        "dropped_or_forgotten_futures_never_free_memory_in_flight",
+        || rixl_verbs::DeviceList::new().and_then(|l| l.find(None).map(|_| ())),
+    )
     .is_none()
     {
         return;
@@ -317,7 +347,10 @@ fn dropped_or_forgotten_futures_never_free_memory_in_flight() {
             }
             let remote = RemoteDescList(remote);
             let mut fut = Box::pin(engine.write(conn, &local, &remote));
-            assert!(poll_once(&mut fut).await.is_none(), "still in flight after one poll");
+            assert!(
+                poll_once(&mut fut).await.is_none(),
+                "still in flight after one poll"
+            );
             let posted = engine.counters().work_requests;
             assert!(posted > 0, "the first poll posted work");
             drop(fut);
@@ -327,7 +360,11 @@ fn dropped_or_forgotten_futures_never_free_memory_in_flight() {
             assert!(region.handle_count() > before - 1, "slot holds the region");
             drop(region);
             settle(&engine, |e| e.inflight() == 0).await;
-            assert_eq!(engine.counters().work_requests, posted, "nothing posted after the drop");
+            assert_eq!(
+                engine.counters().work_requests,
+                posted,
+                "nothing posted after the drop"
+            );
             report(&format!("dropped future: {posted} WRs were in flight; slot released after their completions"));
 
             // mem::forget: the slot stays attached (a leak, never a free) and the engine works on.
@@ -340,9 +377,16 @@ fn dropped_or_forgotten_futures_never_free_memory_in_flight() {
             std::mem::forget(fut);
             let held = region.handle_count();
             glommio::timer::sleep(Duration::from_millis(200)).await;
-            assert_eq!(engine.inflight(), 1, "forgotten transfer's slot is still there");
+            assert_eq!(
+                engine.inflight(),
+                1,
+                "forgotten transfer's slot is still there"
+            );
             assert_eq!(region.handle_count(), held, "and still holds its memory");
-            let st = engine.write(conn, &local, &remote).await.expect("engine still works");
+            let st = engine
+                .write(conn, &local, &remote)
+                .await
+                .expect("engine still works");
             assert_eq!(st.bytes, 1 << 20);
             peer.finish();
         })
@@ -355,7 +399,11 @@ fn a_stalled_peer_ends_in_the_timeout_error_not_a_hang() {
     cfg.connect.timeout = 20; // ~4.3 s per transport retry: the transfer deadline comes first
     cfg.connect.retry_cnt = 7;
     cfg.transfer_timeout = Duration::from_secs(1);
-    let Some(pool) = start_pool("a_stalled_peer_ends_in_the_timeout_error_not_a_hang", &cfg, &[0]) else {
+    let Some(pool) = start_pool(
+        "a_stalled_peer_ends_in_the_timeout_error_not_a_hang",
+        &cfg,
+        &[0],
+    ) else {
         return;
     };
     let h = &pool.handles()[0];
@@ -405,17 +453,29 @@ fn a_dead_peer_gives_remote_disconnect() {
     let t0 = Instant::now();
     let r = block_on(h.write(conn, local, remote));
     assert!(
-        matches!(r, Err(TransferError::RemoteDisconnect { status: WcStatus::RetryExceededError })),
+        matches!(
+            r,
+            Err(TransferError::RemoteDisconnect {
+                status: WcStatus::RetryExceededError
+            })
+        ),
         "{r:?}"
     );
-    report(&format!("dead peer: RemoteDisconnect after {:?}", t0.elapsed()));
+    report(&format!(
+        "dead peer: RemoteDisconnect after {:?}",
+        t0.elapsed()
+    ));
     pool.shutdown();
 }
 
 #[test]
 fn messages_and_write_notifications_reach_the_peer() {
     let cfg = config();
-    let Some(pool) = start_pool("messages_and_write_notifications_reach_the_peer", &cfg, &[0]) else {
+    let Some(pool) = start_pool(
+        "messages_and_write_notifications_reach_the_peer",
+        &cfg,
+        &[0],
+    ) else {
         return;
     };
     let h = &pool.handles()[0];
@@ -459,8 +519,11 @@ fn messages_and_write_notifications_reach_the_peer() {
 #[test]
 fn bad_descriptors_are_typed_errors_and_nothing_is_posted() {
     let cfg = config();
-    let Some(pool) = start_pool("bad_descriptors_are_typed_errors_and_nothing_is_posted", &cfg, &[0, 1])
-    else {
+    let Some(pool) = start_pool(
+        "bad_descriptors_are_typed_errors_and_nothing_is_posted",
+        &cfg,
+        &[0, 1],
+    ) else {
         return;
     };
     let h = &pool.handles()[0];
@@ -482,7 +545,15 @@ fn bad_descriptors_are_typed_errors_and_nothing_is_posted() {
         ("length mismatch", one(&region, 0, 100), remote(101)),
         ("foreign region", one(&foreign, 0, 100), remote(100)),
         ("empty", LocalDescList::new(), remote(8)),
-        ("overflow", one(&region, 0, 16), RemoteDescList(vec![RemoteDesc { addr: u64::MAX - 8, len: 16, rkey: 1 }])),
+        (
+            "overflow",
+            one(&region, 0, 16),
+            RemoteDescList(vec![RemoteDesc {
+                addr: u64::MAX - 8,
+                len: 16,
+                rkey: 1,
+            }]),
+        ),
     ];
     for (what, l, r) in cases {
         match block_on(h.write(conn, l, r)) {
@@ -490,19 +561,71 @@ fn bad_descriptors_are_typed_errors_and_nothing_is_posted() {
             other => panic!("{what}: expected InvalidDescriptor, got {other:?}"),
         }
     }
-    assert_eq!(block_on(h.counters()).expect("counters").0.work_requests, before, "nothing posted");
+    assert_eq!(
+        block_on(h.counters()).expect("counters").0.work_requests,
+        before,
+        "nothing posted"
+    );
     assert!(matches!(
         block_on(h.write(conn, one(&region, 4000, 200), remote(200))),
-        Err(TransferError::InvalidDescriptor(InvalidDescriptor::OutOfRange { index: 0, .. }))
+        Err(TransferError::InvalidDescriptor(
+            InvalidDescriptor::OutOfRange { index: 0, .. }
+        ))
     ));
     // A forged rkey passes local validation and fails at the peer's NIC.
-    let forged = RemoteDescList(vec![RemoteDesc { addr: peer.addr, len: 64, rkey: peer.rkey ^ 0x77_0000 }]);
+    let forged = RemoteDescList(vec![RemoteDesc {
+        addr: peer.addr,
+        len: 64,
+        rkey: peer.rkey ^ 0x77_0000,
+    }]);
     let r = block_on(h.write(conn, one(&region, 0, 64), forged));
-    assert!(matches!(r, Err(TransferError::RemoteAccess { .. })), "{r:?}");
+    assert!(
+        matches!(r, Err(TransferError::RemoteAccess { .. })),
+        "{r:?}"
+    );
     // ... and fails the connection (the QP is in error): later transfers say so at once.
     let r = block_on(h.write(conn, one(&region, 0, 64), remote(64)));
     assert!(matches!(r, Err(TransferError::Connection(..))), "{r:?}");
     let _ = peer.len;
+    peer.finish();
+    pool.shutdown();
+}
+
+#[test]
+fn event_mode_engines_complete_transfers_without_spinning() {
+    let mut cfg = config();
+    cfg.poll_mode = rixl_runtime::PollMode::Event;
+    let Some(pool) = start_pool(
+        "event_mode_engines_complete_transfers_without_spinning",
+        &cfg,
+        &[0],
+    ) else {
+        return;
+    };
+    let h = &pool.handles()[0];
+    let mut peer = Peer::spawn("target");
+    let conn = peer.connect(h);
+    let region = block_on(h.register(REGION)).expect("register");
+    let mut data = vec![0u8; REGION];
+    fill(&mut data, 5);
+    region.write_at(0, &data).expect("fill");
+    for round in 0..3u64 {
+        let (local, remote) = scattered_lists(&region, &peer, 2000 + round);
+        block_on(h.write(conn, local, remote)).expect("write in event mode");
+        let want = region_sum(&region, 2000 + round, local_slot);
+        let got: u64 = peer
+            .cmd(&format!("sum {}", 2000 + round))
+            .parse()
+            .expect("sum");
+        assert_eq!(got, want);
+    }
+    let (c, inflight) = block_on(h.counters()).expect("counters");
+    assert_eq!(inflight, 0);
+    assert!(
+        c.event_waits > 0,
+        "event mode waited for completion events: {c:?}"
+    );
+    report(&format!("event mode counters: {c:?}"));
     peer.finish();
     pool.shutdown();
 }

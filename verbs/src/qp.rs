@@ -8,9 +8,9 @@ use crate::context::{Gid, Mtu};
 use crate::cq::CompletionQueue;
 use crate::error::{Error, Result};
 use crate::mr::AccessFlags;
+use crate::mr::RegisteredBuffer;
 use crate::pd::ProtectionDomain;
 use crate::sys;
-use crate::mr::RegisteredBuffer;
 use crate::wr::{RecvBatch, SendBatch};
 
 /// The state of a queue pair.

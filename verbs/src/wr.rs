@@ -258,9 +258,9 @@ impl SendBatch {
 
 fn sges_inside(sges: &[sys::ibv_sge], buffers: &[&RegisteredBuffer]) -> Result<()> {
     for (i, s) in sges.iter().enumerate() {
-        let inside = buffers.iter().any(|b| {
-            b.lkey() == s.lkey && b.region().contains(s.addr, u64::from(s.length))
-        });
+        let inside = buffers
+            .iter()
+            .any(|b| b.lkey() == s.lkey && b.region().contains(s.addr, u64::from(s.length)));
         if !inside {
             return Err(Error::InvalidArgument(format!(
                 "scatter/gather entry {i} ({:#x}+{}, lkey {:#x}) is not inside the given buffers",

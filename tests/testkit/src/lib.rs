@@ -15,7 +15,10 @@ use std::process::{Child, Command, Stdio};
 
 /// Runs `open`; on error either skips (prints the reason, returns `None`) or, when
 /// `RIXL_REQUIRE_RDMA=1`, panics.
-pub fn require_or_skip<T, E: Display>(test: &str, open: impl FnOnce() -> Result<T, E>) -> Option<T> {
+pub fn require_or_skip<T, E: Display>(
+    test: &str,
+    open: impl FnOnce() -> Result<T, E>,
+) -> Option<T> {
     match open() {
         Ok(v) => Some(v),
         Err(e) => {
@@ -75,7 +78,13 @@ pub fn spawn_peer(peer_test: &str, scenario: &str) -> (Child, Control) {
     let port = listener.local_addr().expect("addr").port();
     let exe = std::env::current_exe().expect("current exe");
     let child = Command::new(exe)
-        .args([peer_test, "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            peer_test,
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env("RIXL_PEER_PORT", port.to_string())
         .env("RIXL_PEER_SCENARIO", scenario)
         .stdin(Stdio::null())
@@ -98,7 +107,8 @@ pub fn peer_control() -> Option<(Control, String)> {
 
 /// Deterministic test pattern byte for `(seed, offset)`.
 pub fn pattern(seed: u64, off: usize) -> u8 {
-    let x = (off as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed.wrapping_mul(0xd6e8_feb8_6659_fd93);
+    let x =
+        (off as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ seed.wrapping_mul(0xd6e8_feb8_6659_fd93);
     (x >> 29) as u8 ^ (off as u8)
 }
 

@@ -85,4 +85,3 @@ impl Side {
         out
     }
 }
-
