@@ -619,10 +619,20 @@ fn event_mode_engines_complete_transfers_without_spinning() {
             .expect("sum");
         assert_eq!(got, want);
     }
+    // Waiting for a message that arrives later: the engine sleeps on the completion channel.
+    let before = block_on(h.counters()).expect("counters").0.event_waits;
+    assert_eq!(peer.cmd("send_later 300 hello"), "ok");
+    let t0 = Instant::now();
+    let msg = block_on(h.recv(conn)).expect("recv in event mode");
+    assert_eq!(msg, Message::Data(b"hello".to_vec(), None));
+    assert!(
+        t0.elapsed() >= Duration::from_millis(250),
+        "the message came late"
+    );
     let (c, inflight) = block_on(h.counters()).expect("counters");
     assert_eq!(inflight, 0);
     assert!(
-        c.event_waits > 0,
+        c.event_waits > before,
         "event mode waited for completion events: {c:?}"
     );
     report(&format!("event mode counters: {c:?}"));
@@ -680,6 +690,19 @@ fn peer_process() {
                     h = fnv(h, &buf);
                 }
                 ctl.send_str(&h.to_string());
+            }
+            ["send_later", ms, text] => {
+                let (h, conn, ms, text) = (
+                    h.clone(),
+                    conns[0],
+                    ms.parse().expect("ms"),
+                    text.to_string(),
+                );
+                std::thread::spawn(move || {
+                    std::thread::sleep(Duration::from_millis(ms));
+                    block_on(h.send(conn, text.into_bytes(), None)).expect("send later");
+                });
+                ctl.send_str("ok");
             }
             ["recv", n] => {
                 let n: usize = n.parse().expect("n");
