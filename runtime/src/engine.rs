@@ -3,7 +3,8 @@
 //! on one glommio executor. Use [`crate::EngineHandle`] to submit from other threads.
 
 use std::cell::{Cell, RefCell};
-use std::collections::{HashMap, VecDeque};
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, HashMap, VecDeque};
 use std::future::poll_fn;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -64,6 +65,9 @@ pub struct EngineConfig {
     pub poll_mode: PollMode,
     /// Default deadline of a transfer.
     pub transfer_timeout: Duration,
+    /// Busy mode: how long after the last activity the engine keeps spinning for awaited
+    /// receives before it falls back to polling every 200 µs.
+    pub recv_spin: Duration,
 }
 
 impl Default for EngineConfig {
@@ -82,6 +86,7 @@ impl Default for EngineConfig {
             poll_batch: 32,
             poll_mode: PollMode::Busy,
             transfer_timeout: Duration::from_secs(30),
+            recv_spin: Duration::from_millis(5),
         }
     }
 }
@@ -225,6 +230,8 @@ struct State {
     inflight: InflightTable<KeepAlive>,
     qpn_to_conn: HashMap<u32, u32>,
     batch: SendBatch,
+    /// Transfer deadlines, soonest first; entries of finished transfers are dropped lazily.
+    deadlines: BinaryHeap<Reverse<(Instant, u32, u32, u32, Duration)>>,
 }
 
 pub(crate) struct Inner {
@@ -236,6 +243,7 @@ pub(crate) struct Inner {
     state: RefCell<State>,
     counters: Cell<EngineCounters>,
     kick: Cell<bool>,
+    last_activity: Cell<Instant>,
     progress_waker: RefCell<Option<Waker>>,
     shutdown: Cell<bool>,
     msg_region: Region,
@@ -321,9 +329,11 @@ impl Engine {
                 inflight: InflightTable::new(),
                 qpn_to_conn: HashMap::new(),
                 batch: SendBatch::with_capacity(64, 4),
+                deadlines: BinaryHeap::new(),
             }),
             counters: Cell::new(EngineCounters::default()),
             kick: Cell::new(false),
+            last_activity: Cell::new(Instant::now()),
             progress_waker: RefCell::new(None),
             shutdown: Cell::new(false),
         });
@@ -559,30 +569,10 @@ impl Engine {
             bytes = tracing::field::Empty,
             wrs = tracing::field::Empty
         );
-        let timeout = opts.timeout.unwrap_or(self.inner.cfg.transfer_timeout);
         let inner = Rc::clone(&self.inner);
-        let run = transfer_inner(
-            Rc::clone(&inner),
-            conn,
-            op,
-            local,
-            remote,
-            opts,
-            span.clone(),
-        );
-        let timer = async {
-            glommio::timer::Timer::new(timeout).await;
-            Err(TransferError::Timeout(timeout))
-        };
-        let result = futures_lite::future::or(run, timer)
+        let result = transfer_inner(Rc::clone(&inner), conn, op, local, remote, opts, span.clone())
             .instrument(span.clone())
             .await;
-        if let Err(TransferError::Timeout(_)) = &result {
-            // The transfer's future (and its slot guard) is gone; make the NIC stop touching its
-            // memory by failing the connection: the QP flushes, the slot is released then.
-            inner.fail_connection(conn.0, "transfer timed out", &TransferError::Flushed);
-            tracing::warn!(parent: &span, ?timeout, "transfer timed out; connection failed");
-        }
         match &result {
             Ok(st) => {
                 tracing::debug!(parent: &span, total_us = st.total.as_micros() as u64, post_us = st.post.as_micros() as u64, "transfer complete")
@@ -650,18 +640,7 @@ impl Engine {
             _regions: vec![self.inner.msg_region.clone()],
             _message: Some(slot),
         };
-        let timeout = self.inner.cfg.transfer_timeout;
-        let run = post_single(Rc::clone(&self.inner), conn, op, sge, keep);
-        let timer = async {
-            glommio::timer::Timer::new(timeout).await;
-            Err(TransferError::Timeout(timeout))
-        };
-        let r = futures_lite::future::or(run, timer).await;
-        if let Err(TransferError::Timeout(_)) = &r {
-            self.inner
-                .fail_connection(conn.0, "send timed out", &TransferError::Flushed);
-        }
-        r
+        post_single(Rc::clone(&self.inner), conn, op, sge, keep).await
     }
 
     /// Receives the next message (SEND payload or WRITE_WITH_IMM notification) on `conn`.
@@ -745,8 +724,50 @@ impl Drop for SlotGuard {
 }
 
 impl Inner {
+    /// Arms the deadline of a transfer slot.
+    fn arm_deadline(&self, slot: SlotId, conn: u32, timeout: Duration) {
+        let mut st = self.state.borrow_mut();
+        st.deadlines
+            .push(Reverse((Instant::now() + timeout, slot.key, slot.generation, conn, timeout)));
+        // Entries of finished transfers are dropped lazily; keep the heap near the live set.
+        if st.deadlines.len() > 2 * st.inflight.len() + 1024 {
+            let State {
+                deadlines, inflight, ..
+            } = &mut *st;
+            deadlines.retain(|Reverse((_, key, generation, ..))| {
+                inflight.contains(SlotId {
+                    key: *key,
+                    generation: *generation,
+                })
+            });
+        }
+    }
+
+    /// Expires every transfer whose deadline passed: its future ends with `Timeout`, and its
+    /// connection is failed so the NIC flushes the work (the slot keeps the memory until then).
+    fn expire_deadlines(&self, now: Instant) {
+        loop {
+            let mut st = self.state.borrow_mut();
+            let Some(Reverse((at, key, generation, conn, timeout))) = st.deadlines.peek().copied() else {
+                return;
+            };
+            if at > now {
+                return;
+            }
+            st.deadlines.pop();
+            let id = SlotId { key, generation };
+            if !st.inflight.expire(id, TransferError::Timeout(timeout)) {
+                continue;
+            }
+            drop(st);
+            tracing::warn!(conn, ?timeout, "transfer timed out; failing its connection");
+            self.fail_connection(conn, "transfer timed out", &TransferError::Flushed);
+        }
+    }
+
     fn kick_progress(&self) {
         self.kick.set(true);
+        self.last_activity.set(Instant::now());
         if let Some(w) = self.progress_waker.borrow_mut().take() {
             w.wake();
         }
@@ -1037,6 +1058,7 @@ async fn transfer_inner(
         slot,
         armed: true,
     };
+    inner.arm_deadline(slot, conn.0, opts.timeout.unwrap_or(inner.cfg.transfer_timeout));
     let job = Job {
         op,
         slot,
@@ -1108,6 +1130,7 @@ async fn post_single(
         slot,
         armed: true,
     };
+    inner.arm_deadline(slot, conn.0, inner.cfg.transfer_timeout);
     let posted = {
         let mut st = inner.state.borrow_mut();
         let State {
@@ -1157,6 +1180,7 @@ async fn progress(inner: Rc<Inner>) {
             }
         };
         if n > 0 {
+            inner.last_activity.set(Instant::now());
             bump(&inner.counters, |c| {
                 c.polls += 1;
                 c.completions += n as u64;
@@ -1169,6 +1193,9 @@ async fn progress(inner: Rc<Inner>) {
             continue;
         }
         bump(&inner.counters, |c| c.empty_polls += 1);
+        if !inner.state.borrow().deadlines.is_empty() {
+            inner.expire_deadlines(Instant::now());
+        }
         let idle = inner.state.borrow().inflight.signaled_outstanding() == 0
             && inner
                 .state
@@ -1200,8 +1227,10 @@ async fn progress(inner: Rc<Inner>) {
             .await;
             continue;
         }
+        let spin_for_recv =
+            waiting_recv && inner.last_activity.get().elapsed() < inner.cfg.recv_spin;
         match inner.cfg.poll_mode {
-            PollMode::Busy if !idle => futures_lite::future::yield_now().await,
+            PollMode::Busy if !idle || spin_for_recv => futures_lite::future::yield_now().await,
             _ => {
                 // Event mode (or only receives pending): arm, poll again (drain-after-arm), then
                 // wait for the event off the core.

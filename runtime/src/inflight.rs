@@ -56,6 +56,7 @@ struct Slot<K> {
     outstanding: u32,
     posting: bool,
     detached: bool,
+    expired: bool,
     error: Option<TransferError>,
     waker: Option<Waker>,
     keepalive: K,
@@ -126,6 +127,7 @@ impl<K> InflightTable<K> {
             outstanding: 0,
             posting: true,
             detached: false,
+            expired: false,
             error: None,
             waker: None,
             keepalive,
@@ -219,12 +221,35 @@ impl<K> InflightTable<K> {
         }
     }
 
+    /// The transfer's deadline passed: it ends now with `err` (its future is woken), while the
+    /// slot and its keep-alive stay until the NIC has flushed its outstanding work. Returns whether
+    /// the slot was still live and pending.
+    pub fn expire(&mut self, id: SlotId, err: TransferError) -> bool {
+        let Some(slot) = self.get_mut(id) else {
+            return false;
+        };
+        if slot.expired || slot.detached || (!slot.posting && slot.outstanding == 0) {
+            return false;
+        }
+        slot.error = Some(err);
+        slot.expired = true;
+        if let Some(w) = slot.waker.take() {
+            w.wake();
+        }
+        true
+    }
+
     /// Polls a transfer: ready (and the slot released) once posting ended and nothing is
-    /// outstanding; otherwise registers the waker.
+    /// outstanding, or at once (slot detached) when it expired; otherwise registers the waker.
     pub fn poll(&mut self, id: SlotId, cx: &mut Context<'_>) -> Poll<Result<(), TransferError>> {
         let Some(slot) = self.get_mut(id) else {
             return Poll::Ready(Err(TransferError::EngineGone));
         };
+        if slot.expired {
+            let err = slot.error.clone().unwrap_or(TransferError::Flushed);
+            self.detach(id);
+            return Poll::Ready(Err(err));
+        }
         if slot.posting || slot.outstanding > 0 {
             match &slot.waker {
                 Some(w) if w.will_wake(cx.waker()) => {}
@@ -252,6 +277,14 @@ impl<K> InflightTable<K> {
         } else {
             false
         }
+    }
+
+    /// The error of an expired slot (its deadline passed), if it expired.
+    pub fn expired(&self, id: SlotId) -> Option<TransferError> {
+        self.slots
+            .get(id.key as usize)
+            .filter(|s| s.generation == id.generation && s.expired)
+            .map(|s| s.error.clone().unwrap_or(TransferError::Flushed))
     }
 
     /// Whether the slot is still live.
@@ -439,6 +472,34 @@ mod tests {
         let id2 = t.insert(0, ());
         assert!(t.detach(id2));
         assert!(t.is_empty());
+    }
+
+    #[test]
+    fn an_expired_transfer_returns_at_once_but_keeps_its_memory_until_flushed() {
+        let mut t = InflightTable::new();
+        let region = Rc::new(0u8);
+        let id = t.insert(0, Rc::clone(&region));
+        t.add_signaled(id, 3);
+        t.end_posting(id);
+        let (count, w) = waker();
+        let mut cx = Context::from_waker(&w);
+        assert!(t.poll(id, &mut cx).is_pending());
+        let err = TransferError::Timeout(std::time::Duration::from_millis(5));
+        assert!(t.expire(id, err.clone()));
+        assert_eq!(count.0.load(Ordering::SeqCst), 1, "the future is woken");
+        assert!(!t.expire(id, err.clone()), "expiring twice does nothing");
+        assert_eq!(t.poll(id, &mut cx), Poll::Ready(Err(err)));
+        assert_eq!(Rc::strong_count(&region), 2, "memory held while the NIC may touch it");
+        let mut cq = FakeCq::default();
+        for _ in 0..3 {
+            cq.fail(id, true, WcStatus::WorkRequestFlushError);
+        }
+        assert_eq!(cq.drain(&mut t).last(), Some(&Routed::Released));
+        assert_eq!(Rc::strong_count(&region), 1);
+        // A transfer that already finished cannot expire.
+        let done = t.insert(0, Rc::clone(&region));
+        t.end_posting(done);
+        assert!(!t.expire(done, TransferError::Flushed));
     }
 
     #[test]

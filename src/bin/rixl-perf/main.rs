@@ -1,0 +1,542 @@
+//! `rixl-perf`: perftest-compatible benchmarks that drive the rixl runtime (the same `Engine`
+//! futures a serving engine awaits), so its numbers are the library's numbers.
+//!
+//! ```text
+//! rixl-perf write_bw -d rxe0 -x 1 -a            # server
+//! rixl-perf write_bw -d rxe0 -x 1 -a 127.0.0.1  # client: prints perftest's columns
+//! rixl-perf sweep --help                        # nixlbench-style block x batch sweep
+//! ```
+#![forbid(unsafe_code)]
+
+mod args;
+mod oob;
+mod stats;
+mod sweep;
+
+use std::cell::{Cell, RefCell};
+use std::net::{TcpListener, TcpStream};
+use std::rc::Rc;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use args::{Args, Test};
+use glommio::{LocalExecutorBuilder, Placement};
+use oob::{Hello, Oob};
+use rixl::runtime::{
+    ConnId, Engine, EngineConfig, LocalDescList, Message, Op, Region, RemoteDesc, RemoteDescList,
+    TransferOptions, DEFAULT_IO_MEMORY,
+};
+use stats::{BwRow, LatRow};
+
+type Res<T> = Result<T, String>;
+
+fn s<E: std::fmt::Display>(e: E) -> String {
+    e.to_string()
+}
+
+/// Engine configuration for a test with messages up to `max_size`.
+fn engine_config(a: &Args, test: Test, max_size: u64, tx_depth: u32, conns: u32) -> EngineConfig {
+    let mut cfg = EngineConfig::from_env();
+    if a.device.is_some() {
+        cfg.device = a.device.clone();
+    }
+    if let Some(g) = a.gid_index {
+        cfg.connect.gid_index = g;
+    }
+    cfg.connect.port = a.ib_port;
+    cfg.poll_mode = a.poll_mode;
+    cfg.max_connections = conns.max(1);
+    cfg.send_queue_depth = tx_depth.clamp(64, 1024);
+    cfg.post_batch = 64;
+    cfg.transfer_timeout = Duration::from_secs(60);
+    if test.is_send() {
+        cfg.max_message = u32::try_from(max_size.max(4096)).unwrap_or(u32::MAX);
+    }
+    cfg
+}
+
+fn region_line(r: &Region) -> String {
+    format!("REGION {} {} {}", r.addr(), r.rkey(), r.len())
+}
+
+fn parse_region(f: &[String]) -> Res<RemoteDesc> {
+    let n = |i: usize| -> Res<u64> {
+        f.get(i)
+            .ok_or("short REGION line")?
+            .parse()
+            .map_err(|_| "bad REGION line".to_string())
+    };
+    Ok(RemoteDesc {
+        addr: n(0)?,
+        rkey: n(1)? as u32,
+        len: n(2)?,
+    })
+}
+
+/// Runs `f` on a glommio executor pinned to `cpu`.
+fn on_core<T: Send + 'static>(cpu: usize, f: impl FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = T>>> + Send + 'static) -> Res<T> {
+    rixl::runtime::preflight::check(1, DEFAULT_IO_MEMORY).map_err(s)?;
+    LocalExecutorBuilder::new(Placement::Fixed(cpu))
+        .io_memory(DEFAULT_IO_MEMORY)
+        .spawn(f)
+        .map_err(s)?
+        .join()
+        .map_err(s)
+}
+
+// ----------------------------------------------------------------------------------------------
+// Server
+
+async fn server(a: Args) -> Res<()> {
+    let listener = TcpListener::bind(("0.0.0.0", a.port)).map_err(|e| format!("listen on {}: {e}", a.port))?;
+    eprintln!("rixl-perf {}: waiting for a client on port {}", a.test.name(), a.port);
+    let (sock, peer) = listener.accept().map_err(s)?;
+    let mut first = Oob::new(sock).map_err(s)?;
+    let hello = Hello::parse(&first.recv()?)?;
+    if hello.test != a.test.name() {
+        return Err(format!("client runs {} but this server runs {}", hello.test, a.test.name()));
+    }
+    let mut streams = vec![first];
+    for _ in 1..hello.engines {
+        let (sock, _) = listener.accept().map_err(s)?;
+        let mut o = Oob::new(sock).map_err(s)?;
+        Hello::parse(&o.recv()?)?;
+        streams.push(o);
+    }
+    let conns_total = hello.qps * hello.engines;
+    let cfg = engine_config(&a, a.test, hello.max_size, hello.tx_depth, conns_total);
+    let engine = Engine::open(cfg).await.map_err(s)?;
+    let region = engine.register(hello.max_size.max(4096) as usize).await.map_err(s)?;
+    let mut all: Vec<(ConnId, RemoteDesc)> = Vec::new();
+    for o in &mut streams {
+        let theirs = connect_side(&engine, &region, o, hello.qps, true).await?;
+        all.extend(theirs);
+    }
+    eprintln!("rixl-perf: client {peer} connected ({conns_total} queue pairs)");
+    let (conn0, remote0) = all[0];
+    loop {
+        let line = streams[0].recv()?;
+        let f: Vec<&str> = line.split(' ').collect();
+        match f.as_slice() {
+            ["DONE"] => break,
+            ["PING", size, n] => {
+                let (size, n): (u64, u64) = (size.parse().map_err(s)?, n.parse().map_err(s)?);
+                let local = one_desc(&region, size);
+                let remote = RemoteDescList(vec![RemoteDesc { len: size, ..remote0 }]);
+                for i in 0..n {
+                    engine.recv(conn0).await.map_err(s)?;
+                    if a.test.is_send() {
+                        engine.send(conn0, &vec![0x5a; size as usize], None).await.map_err(s)?;
+                    } else {
+                        let mut o = TransferOptions::default();
+                        o.notify_imm = Some(i as u32);
+                        engine.transfer(conn0, Op::Write, &local, &remote, o).await.map_err(s)?;
+                    }
+                }
+            }
+            ["SENDBW", n] => {
+                let n: u64 = n.parse().map_err(s)?;
+                let conns: Vec<ConnId> = all.iter().map(|c| c.0).collect();
+                let got = Rc::new(Cell::new(0u64));
+                let tasks: Vec<_> = conns
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &c)| {
+                        let (e, got) = (engine.clone(), Rc::clone(&got));
+                        let share = n / conns.len() as u64 + u64::from((k as u64) < n % conns.len() as u64);
+                        glommio::spawn_local(async move {
+                            for _ in 0..share {
+                                e.recv(c).await?;
+                                got.set(got.get() + 1);
+                            }
+                            Ok::<_, rixl::runtime::TransferError>(())
+                        })
+                    })
+                    .collect();
+                for t in tasks {
+                    t.await.map_err(s)?;
+                }
+                streams[0].send(&format!("SENDBW-DONE {}", got.get()))?;
+            }
+            other => return Err(format!("unknown command {other:?}")),
+        }
+    }
+    for o in streams.iter_mut().skip(1) {
+        o.expect("DONE")?;
+    }
+    engine.shutdown().await;
+    Ok(())
+}
+
+/// Exchanges regions and endpoints for `qps` connections over `o`, and connects them. The server
+/// speaks first. Returns each connection with the peer's region.
+async fn connect_side(engine: &Engine, region: &Region, o: &mut Oob, qps: u32, server: bool) -> Res<Vec<(ConnId, RemoteDesc)>> {
+    let mut mine = Vec::new();
+    for _ in 0..qps {
+        mine.push(engine.prepare_connection().await.map_err(s)?);
+    }
+    let send_all = |o: &mut Oob, mine: &[(ConnId, rixl::verbs::Endpoint)]| -> Res<()> {
+        o.send(&region_line(region))?;
+        for (_, ep) in mine {
+            o.send_endpoint(ep)?;
+        }
+        Ok(())
+    };
+    let recv_all = |o: &mut Oob| -> Res<(RemoteDesc, Vec<rixl::verbs::Endpoint>)> {
+        let r = parse_region(&o.expect("REGION")?)?;
+        let eps = (0..qps).map(|_| o.recv_endpoint()).collect::<Res<Vec<_>>>()?;
+        Ok((r, eps))
+    };
+    let (remote, eps) = if server {
+        send_all(o, &mine)?;
+        recv_all(o)?
+    } else {
+        let r = recv_all(o)?;
+        send_all(o, &mine)?;
+        r
+    };
+    let mut out = Vec::new();
+    for ((conn, _), ep) in mine.into_iter().zip(eps) {
+        engine.complete_connection(conn, ep).await.map_err(s)?;
+        out.push((conn, remote));
+    }
+    if server {
+        o.send("READY")?;
+    } else {
+        o.expect("READY")?;
+    }
+    Ok(out)
+}
+
+fn one_desc(region: &Region, size: u64) -> LocalDescList {
+    let mut l = LocalDescList::new();
+    l.push(region, 0, size);
+    l
+}
+
+// ----------------------------------------------------------------------------------------------
+// Client
+
+struct ClientSide {
+    engine: Engine,
+    region: Region,
+    conns: Vec<(ConnId, RemoteDesc)>,
+    oob: Oob,
+}
+
+async fn client_setup(a: &Args, host: &str, max_size: u64) -> Res<ClientSide> {
+    let sock = connect_retry(host, a.port)?;
+    let mut oob = Oob::new(sock).map_err(s)?;
+    oob.send(
+        &Hello {
+            test: a.test.name().into(),
+            qps: a.qps,
+            engines: a.engines,
+            max_size,
+            tx_depth: a.tx_depth,
+        }
+        .line(),
+    )?;
+    let cfg = engine_config(a, a.test, max_size, a.tx_depth, a.qps);
+    let engine = Engine::open(cfg).await.map_err(s)?;
+    let region = engine.register(max_size.max(4096) as usize).await.map_err(s)?;
+    let conns = connect_side(&engine, &region, &mut oob, a.qps, false).await?;
+    Ok(ClientSide {
+        engine,
+        region,
+        conns,
+        oob,
+    })
+}
+
+fn connect_retry(host: &str, port: u16) -> Res<TcpStream> {
+    let t0 = Instant::now();
+    loop {
+        match TcpStream::connect((host, port)) {
+            Ok(s) => return Ok(s),
+            Err(e) if t0.elapsed() < Duration::from_secs(10) => {
+                let _ = e;
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => return Err(format!("connect to {host}:{port}: {e}")),
+        }
+    }
+}
+
+/// One engine's share of a bandwidth run: completion timestamps (seconds since `t0`).
+async fn bw_run(c: &ClientSide, a: &Args, size: u64, iters: u64, t0: Instant) -> Res<Vec<f64>> {
+    // A SEND is one message per call (post lists apply to RDMA READ/WRITE).
+    let post_list = if a.test == Test::SendBw { 1 } else { u64::from(a.post_list) };
+    let transfers = iters.div_ceil(post_list);
+    let concurrency = (u64::from(a.tx_depth) / post_list).max(1);
+    let next = Rc::new(Cell::new(0u64));
+    let times = Rc::new(RefCell::new(Vec::with_capacity(iters as usize)));
+    let deadline = a.duration.map(|d| t0 + d);
+    let op = match a.test {
+        Test::ReadBw => Op::Read,
+        _ => Op::Write,
+    };
+    let mut tasks = Vec::new();
+    for _ in 0..concurrency.min(transfers.max(1)) {
+        let (e, next, times) = (c.engine.clone(), Rc::clone(&next), Rc::clone(&times));
+        let conns = c.conns.clone();
+        let region = c.region.clone();
+        let send = a.test == Test::SendBw;
+        let payload = if send { vec![0xa5u8; size as usize] } else { Vec::new() };
+        tasks.push(glommio::spawn_local(async move {
+            let mut local = LocalDescList::with_capacity(post_list as usize);
+            for _ in 0..post_list {
+                local.push(&region, 0, size);
+            }
+            let remotes: Vec<RemoteDescList> = conns
+                .iter()
+                .map(|(_, r)| RemoteDescList(vec![RemoteDesc { len: size, ..*r }; post_list as usize]))
+                .collect();
+            loop {
+                let i = next.get();
+                let more = match deadline {
+                    Some(d) => Instant::now() < d,
+                    None => i < transfers,
+                };
+                if !more {
+                    return Ok::<(), String>(());
+                }
+                next.set(i + 1);
+                let k = (i % conns.len() as u64) as usize;
+                if send {
+                    e.send(conns[k].0, &payload, None).await.map_err(s)?;
+                } else {
+                    e.transfer(conns[k].0, op, &local, &remotes[k], TransferOptions::default())
+                        .await
+                        .map_err(s)?;
+                }
+                let t = t0.elapsed().as_secs_f64();
+                times.borrow_mut().extend(std::iter::repeat_n(t, post_list as usize));
+            }
+        }));
+    }
+    for t in tasks {
+        t.await?;
+    }
+    let mut v = Rc::try_unwrap(times).map_err(|_| "tasks still hold results")?.into_inner();
+    v.sort_by(f64::total_cmp);
+    Ok(v)
+}
+
+fn client_bw(a: &Args, host: &str) -> Res<Vec<BwRow>> {
+    let max_size = *a.sizes.iter().max().unwrap_or(&65536);
+    if a.test == Test::SendBw && a.duration.is_some() {
+        return Err("send_bw: -D is not supported (the receiver counts messages); use -n".into());
+    }
+    if a.test == Test::SendBw && max_size > (1 << 20) {
+        return Err("send_bw: rixl messages are at most 1 MiB (they are copied into registered receive buffers)".into());
+    }
+    let engines = if a.test == Test::SendBw { 1 } else { a.engines as usize };
+    let barrier = Arc::new(Barrier::new(engines));
+    let handles: Vec<_> = (0..engines)
+        .map(|idx| {
+            let (a, host, barrier) = (a.clone(), host.to_string(), Arc::clone(&barrier));
+            std::thread::spawn(move || -> Res<Vec<(u64, Vec<f64>, f64)>> {
+                let ncpu = rixl::runtime::available_cpus().len();
+                on_core((a.cpu.unwrap_or(0) + idx) % ncpu, move || {
+                    Box::pin(async move {
+                        let mut c = client_setup(&a, &host, max_size).await?;
+                        let mut out = Vec::new();
+                        for &size in &a.sizes {
+                            let iters = a.iters / engines as u64;
+                            // Warm-up: a few transfers, not measured. SEND tests first tell the
+                            // server how many messages to receive.
+                            let warm = (iters / 20).max(5);
+                            if a.test == Test::SendBw {
+                                c.oob.send(&format!("SENDBW {warm}"))?;
+                            }
+                            bw_run(&c, &Args { duration: None, post_list: 1, ..a.clone() }, size, warm, Instant::now()).await?;
+                            if a.test == Test::SendBw {
+                                c.oob.expect("SENDBW-DONE")?;
+                                c.oob.send(&format!("SENDBW {iters}"))?;
+                            }
+                            barrier.wait();
+                            let t0 = Instant::now();
+                            let times = bw_run(&c, &a, size, iters, t0).await?;
+                            let elapsed = times.last().copied().unwrap_or(0.0);
+                            if a.test == Test::SendBw {
+                                c.oob.expect("SENDBW-DONE")?;
+                            }
+                            out.push((size, times, elapsed));
+                        }
+                        c.oob.send("DONE")?;
+                        let counters = c.engine.counters();
+                        c.engine.shutdown().await;
+                        tracing::debug!(?counters, "client engine counters");
+                        Ok(out)
+                    })
+                })?
+            })
+        })
+        .collect();
+    let mut per_engine = Vec::new();
+    for h in handles {
+        per_engine.push(h.join().map_err(|_| "engine thread panicked")??);
+    }
+    let mut rows = Vec::new();
+    for (i, &size) in a.sizes.iter().enumerate() {
+        let mut all: Vec<f64> = per_engine.iter().flat_map(|e| e[i].1.iter().copied()).collect();
+        all.sort_by(f64::total_cmp);
+        let elapsed = per_engine.iter().map(|e| e[i].2).fold(0.0, f64::max);
+        rows.push(stats::bw_from(size, &all, elapsed));
+    }
+    Ok(rows)
+}
+
+fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
+    let max_size = *a.sizes.iter().max().unwrap_or(&2);
+    if a.test == Test::SendLat && max_size > (1 << 20) {
+        return Err("send_lat: rixl messages are at most 1 MiB".into());
+    }
+    let (a, host) = (a.clone(), host.to_string());
+    on_core(a.cpu.unwrap_or(0), move || {
+        Box::pin(async move {
+            let mut c = client_setup(&a, &host, max_size).await?;
+            let (conn, remote0) = c.conns[0];
+            let mut rows = Vec::new();
+            let mut awaits = Vec::new();
+            for &size in &a.sizes {
+                let local = one_desc(&c.region, size);
+                let remote = RemoteDescList(vec![RemoteDesc { len: size, ..remote0 }]);
+                let warm = (a.iters / 10).max(5);
+                let total = a.iters + warm;
+                let mut samples = Vec::with_capacity(a.iters as usize);
+                match a.test {
+                    Test::ReadLat => {
+                        for i in 0..total {
+                            let t = Instant::now();
+                            c.engine.read(conn, &local, &remote).await.map_err(s)?;
+                            if i >= warm {
+                                samples.push(t.elapsed());
+                            }
+                        }
+                        rows.push(stats::lat_from(size, &samples, 1.0));
+                    }
+                    Test::WriteLat | Test::SendLat => {
+                        c.oob.send(&format!("PING {size} {total}"))?;
+                        let payload = vec![0xa5u8; size as usize];
+                        for i in 0..total {
+                            let t = Instant::now();
+                            if a.test == Test::SendLat {
+                                c.engine.send(conn, &payload, None).await.map_err(s)?;
+                            } else {
+                                let mut o = TransferOptions::default();
+                                o.notify_imm = Some(i as u32);
+                                c.engine.transfer(conn, Op::Write, &local, &remote, o).await.map_err(s)?;
+                            }
+                            match c.engine.recv(conn).await.map_err(s)? {
+                                Message::Immediate(_) | Message::Data(..) => {}
+                                other => return Err(format!("unexpected reply {other:?}")),
+                            }
+                            if i >= warm {
+                                samples.push(t.elapsed());
+                            }
+                        }
+                        // Ping-pong round trips, reported one-way like perftest.
+                        rows.push(stats::lat_from(size, &samples, 2.0));
+                        if a.test == Test::WriteLat {
+                            // One `.await` of a WRITE: completes when the ACK is back (one round trip).
+                            let mut one = Vec::with_capacity(a.iters as usize);
+                            for i in 0..total {
+                                let t = Instant::now();
+                                c.engine.write(conn, &local, &remote).await.map_err(s)?;
+                                if i >= warm {
+                                    one.push(t.elapsed());
+                                }
+                            }
+                            awaits.push(stats::lat_from(size, &one, 1.0));
+                        }
+                    }
+                    _ => unreachable!("latency tests only"),
+                }
+            }
+            c.oob.send("DONE")?;
+            c.engine.shutdown().await;
+            Ok((rows, awaits))
+        })
+    })?
+}
+
+fn banner(a: &Args) {
+    let line = "-".repeat(87);
+    println!("{line}");
+    println!(
+        "                    RDMA_{} {} Test (rixl runtime)",
+        match a.test {
+            Test::WriteBw | Test::WriteLat => "Write",
+            Test::ReadBw | Test::ReadLat => "Read",
+            Test::SendBw | Test::SendLat => "Send",
+        },
+        if a.test.is_bw() { "BW" } else { "Latency" }
+    );
+    println!(
+        " Device: {} | Number of qps: {} | Transport type: IB (RC) | Engines: {} | Poll mode: {:?}",
+        a.device.as_deref().unwrap_or("(first)"),
+        a.qps,
+        a.engines,
+        a.poll_mode
+    );
+    println!(" TX depth: {} | Post list: {} | GID index: {}", a.tx_depth, a.post_list, a.gid_index.map_or("default".into(), |g| g.to_string()));
+    println!("{line}");
+}
+
+fn run(argv: &[String]) -> Res<()> {
+    if argv.first().map(String::as_str) == Some("sweep") {
+        return sweep::main(&argv[1..]);
+    }
+    let a = args::parse(argv)?;
+    let ncpu = rixl::runtime::available_cpus().len();
+    let Some(host) = a.server.clone() else {
+        // The server sits on the last CPU so a client on the same host (first CPU) does not
+        // compete with it for a core.
+        let cpu = a.cpu.unwrap_or(ncpu - 1) % ncpu;
+        let a2 = a.clone();
+        return on_core(cpu, move || Box::pin(server(a2)))?;
+    };
+    banner(&a);
+    if a.test.is_bw() {
+        let rows = client_bw(&a, &host)?;
+        println!("{}", stats::bw_header(a.report_gbits));
+        for r in &rows {
+            println!("{}", stats::bw_line(r, a.report_gbits));
+        }
+        println!("{}", "-".repeat(87));
+        if let Some(f) = &a.out_json {
+            std::fs::write(f, stats::bw_json(&rows, a.report_gbits)).map_err(s)?;
+        }
+    } else {
+        let (rows, awaits) = client_lat(&a, &host)?;
+        println!("{}", stats::lat_header());
+        for r in &rows {
+            println!("{}", stats::lat_line(r));
+        }
+        println!("{}", "-".repeat(87));
+        for r in &awaits {
+            println!(
+                "# rixl: one .await of a {} B RDMA WRITE (completes on the ACK: one round trip): t_typical {:.2} usec, t_avg {:.2} usec, 99% {:.2} usec",
+                r.bytes, r.typical, r.avg, r.p99
+            );
+        }
+        if let Some(f) = &a.out_json {
+            std::fs::write(f, stats::lat_json(&rows)).map_err(s)?;
+        }
+    }
+    Ok(())
+}
+
+fn main() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .try_init();
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    if let Err(e) = run(&argv) {
+        eprintln!("rixl-perf: {e}");
+        std::process::exit(1);
+    }
+}
