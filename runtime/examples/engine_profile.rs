@@ -34,6 +34,7 @@ fn cpu_seconds() -> f64 {
 fn run(mode: PollMode, idle: Duration) -> Result<(), BoxError> {
     let mut cfg = EngineConfig::from_env();
     cfg.poll_mode = mode;
+    cfg.timing = true;
     let cpus = if rixl_runtime::available_cpus().len() > 1 {
         vec![0, 1]
     } else {

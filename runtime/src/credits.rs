@@ -41,27 +41,25 @@ impl SendCredits {
     /// Plans the signal flags of a batch of `n` requests (`n <= available()`): every
     /// `interval`-th request and the last one are signaled. Call [`Self::commit`] after posting.
     pub fn plan(&self, n: u32) -> BatchPlan {
-        let mut flags = Vec::with_capacity(n as usize);
-        let mut frees = Vec::new();
-        let mut since = self.since_signal;
-        for i in 0..n {
-            since += 1;
-            let signal = i + 1 == n || since >= self.interval;
-            if signal {
-                frees.push(since);
-                since = 0;
-            }
-            flags.push(signal);
+        BatchPlan {
+            n,
+            since: self.since_signal,
+            interval: self.interval,
         }
-        BatchPlan { flags, frees }
     }
 
     /// Records a posted batch.
     pub fn commit(&mut self, plan: BatchPlan) {
-        let n = plan.flags.len() as u32;
-        debug_assert!(n <= self.free, "posted past the send queue depth");
-        self.free -= n;
-        self.frees.extend(plan.frees);
+        debug_assert!(plan.n <= self.free, "posted past the send queue depth");
+        self.free -= plan.n;
+        let mut since = plan.since;
+        for i in 0..plan.n {
+            since += 1;
+            if plan.is_signaled(i) {
+                self.frees.push_back(since);
+                since = 0;
+            }
+        }
         // Every batch ends signaled.
         self.since_signal = 0;
     }
@@ -74,18 +72,28 @@ impl SendCredits {
     }
 }
 
-/// Signal flags of one batch and the slots each signaled request frees.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Signal flags of one batch (computed, not stored: the hot path allocates nothing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BatchPlan {
-    /// Per request: signaled or not.
-    pub flags: Vec<bool>,
-    frees: Vec<u32>,
+    n: u32,
+    since: u32,
+    interval: u32,
 }
 
 impl BatchPlan {
+    /// Whether request `i` of the batch is signaled.
+    pub fn is_signaled(&self, i: u32) -> bool {
+        i + 1 == self.n || (self.since + i + 1).is_multiple_of(self.interval)
+    }
+
     /// Number of signaled requests.
     pub fn signaled(&self) -> u32 {
-        self.frees.len() as u32
+        (0..self.n).filter(|&i| self.is_signaled(i)).count() as u32
+    }
+
+    /// The flags, for inspection.
+    pub fn flags(&self) -> impl Iterator<Item = bool> + '_ {
+        (0..self.n).map(|i| self.is_signaled(i))
     }
 }
 
@@ -100,7 +108,7 @@ mod tests {
         let want = [
             false, false, false, true, false, false, false, true, false, true,
         ];
-        assert_eq!(p.flags, want);
+        assert_eq!(p.flags().collect::<Vec<_>>(), want);
         assert_eq!(p.signaled(), 3);
     }
 
@@ -117,7 +125,7 @@ mod tests {
             "the first signaled request frees itself and the 3 before it"
         );
         let p = c.plan(2);
-        assert_eq!(p.flags, [false, true]);
+        assert_eq!(p.flags().collect::<Vec<_>>(), [false, true]);
         c.commit(p);
         assert_eq!(c.available(), 2);
         c.on_signaled_completion();

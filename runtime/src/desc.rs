@@ -27,6 +27,12 @@ impl fmt::Debug for Region {
     }
 }
 
+impl std::borrow::Borrow<RegisteredBuffer> for Region {
+    fn borrow(&self) -> &RegisteredBuffer {
+        &self.inner.buf
+    }
+}
+
 impl Region {
     pub(crate) fn new(buf: RegisteredBuffer, engine: u64) -> Self {
         Region {
@@ -86,10 +92,6 @@ impl Region {
         self.inner
             .buf
             .read_at(usize::try_from(offset).unwrap_or(usize::MAX), dst)
-    }
-
-    pub(crate) fn buffer(&self) -> &RegisteredBuffer {
-        &self.inner.buf
     }
 
     /// Id of the engine (protection domain) this region is registered with.

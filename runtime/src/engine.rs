@@ -4,7 +4,7 @@
 
 use std::cell::{Cell, RefCell};
 use std::cmp::Reverse;
-use std::collections::{BinaryHeap, HashMap, VecDeque};
+use std::collections::{BinaryHeap, VecDeque};
 use std::future::poll_fn;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -65,9 +65,12 @@ pub struct EngineConfig {
     pub poll_mode: PollMode,
     /// Default deadline of a transfer.
     pub transfer_timeout: Duration,
-    /// Busy mode: how long after the last activity the engine keeps spinning for awaited
-    /// receives before it falls back to polling every 200 µs.
-    pub recv_spin: Duration,
+    /// Busy mode: how many empty polls after the last activity the engine keeps spinning for
+    /// awaited receives before it falls back to polling every 200 µs.
+    pub recv_spin_polls: u32,
+    /// Measure per-transfer prepare/post/total times in [`TransferStats`] (off by default: it
+    /// reads the clock several times per transfer, which is costly on some clock sources).
+    pub timing: bool,
 }
 
 impl Default for EngineConfig {
@@ -86,7 +89,8 @@ impl Default for EngineConfig {
             poll_batch: 32,
             poll_mode: PollMode::Busy,
             transfer_timeout: Duration::from_secs(30),
-            recv_spin: Duration::from_millis(5),
+            recv_spin_polls: 50_000,
+            timing: false,
         }
     }
 }
@@ -223,15 +227,19 @@ impl Drop for MessageSlot {
     }
 }
 
+/// (when, slot key, slot generation, connection, the timeout it was armed with), soonest first.
+type Deadline = Reverse<(Instant, u32, u32, u32, Duration)>;
+
 struct State {
     // Field order matters: queue pairs are destroyed before the in-flight keep-alives release
     // their regions, so the NIC never touches deregistered memory.
     conns: Slab<Conn>,
     inflight: InflightTable<KeepAlive>,
-    qpn_to_conn: HashMap<u32, u32>,
+    /// (qpn, connection) pairs; a linear scan beats hashing for the few QPs of one engine.
+    qpn_to_conn: Vec<(u32, u32)>,
     batch: SendBatch,
     /// Transfer deadlines, soonest first; entries of finished transfers are dropped lazily.
-    deadlines: BinaryHeap<Reverse<(Instant, u32, u32, u32, Duration)>>,
+    deadlines: BinaryHeap<Deadline>,
 }
 
 pub(crate) struct Inner {
@@ -243,7 +251,11 @@ pub(crate) struct Inner {
     state: RefCell<State>,
     counters: Cell<EngineCounters>,
     kick: Cell<bool>,
-    last_activity: Cell<Instant>,
+    /// Empty polls since the last completion or submission.
+    quiet_polls: Cell<u32>,
+    /// The progress loop's clock while it runs (refreshed every few iterations); `None` while
+    /// parked, so a new deadline reads the real clock.
+    clock: Cell<Option<Instant>>,
     progress_waker: RefCell<Option<Waker>>,
     shutdown: Cell<bool>,
     msg_region: Region,
@@ -327,13 +339,14 @@ impl Engine {
             state: RefCell::new(State {
                 conns: Slab::new(),
                 inflight: InflightTable::new(),
-                qpn_to_conn: HashMap::new(),
+                qpn_to_conn: Vec::new(),
                 batch: SendBatch::with_capacity(64, 4),
                 deadlines: BinaryHeap::new(),
             }),
             counters: Cell::new(EngineCounters::default()),
             kick: Cell::new(false),
-            last_activity: Cell::new(Instant::now()),
+            quiet_polls: Cell::new(0),
+            clock: Cell::new(None),
             progress_waker: RefCell::new(None),
             shutdown: Cell::new(false),
         });
@@ -427,8 +440,8 @@ impl Engine {
                 }],
             );
         }
-        qp.post_recv_in(&mut r, &[recv_region.buffer()])?;
-        st.qpn_to_conn.insert(qp.qpn(), id);
+        qp.post_recv_in(&mut r, std::slice::from_ref(&recv_region))?;
+        st.qpn_to_conn.push((qp.qpn(), id));
         entry.insert(Conn {
             qp,
             psn,
@@ -515,7 +528,8 @@ impl Engine {
         let mut st = self.inner.state.borrow_mut();
         if st.conns.contains(conn.0 as usize) {
             let c = st.conns.remove(conn.0 as usize);
-            st.qpn_to_conn.remove(&c.qp.qpn());
+            let qpn = c.qp.qpn();
+            st.qpn_to_conn.retain(|&(q, _)| q != qpn);
         }
     }
 
@@ -570,9 +584,17 @@ impl Engine {
             wrs = tracing::field::Empty
         );
         let inner = Rc::clone(&self.inner);
-        let result = transfer_inner(Rc::clone(&inner), conn, op, local, remote, opts, span.clone())
-            .instrument(span.clone())
-            .await;
+        let result = transfer_inner(
+            Rc::clone(&inner),
+            conn,
+            op,
+            local,
+            remote,
+            opts,
+            span.clone(),
+        )
+        .instrument(span.clone())
+        .await;
         match &result {
             Ok(st) => {
                 tracing::debug!(parent: &span, total_us = st.total.as_micros() as u64, post_us = st.post.as_micros() as u64, "transfer complete")
@@ -693,6 +715,13 @@ fn rand_u32() -> u32 {
     t.wrapping_mul(2_654_435_761)
 }
 
+fn since(a: Option<Instant>, b: Option<Instant>) -> Duration {
+    match (a, b) {
+        (Some(a), Some(b)) => b.saturating_duration_since(a),
+        _ => Duration::ZERO,
+    }
+}
+
 /// One transfer's posting parameters.
 #[derive(Clone, Copy)]
 struct Job<'a> {
@@ -726,13 +755,21 @@ impl Drop for SlotGuard {
 impl Inner {
     /// Arms the deadline of a transfer slot.
     fn arm_deadline(&self, slot: SlotId, conn: u32, timeout: Duration) {
+        let now = self.clock.get().unwrap_or_else(Instant::now);
         let mut st = self.state.borrow_mut();
-        st.deadlines
-            .push(Reverse((Instant::now() + timeout, slot.key, slot.generation, conn, timeout)));
+        st.deadlines.push(Reverse((
+            now + timeout,
+            slot.key,
+            slot.generation,
+            conn,
+            timeout,
+        )));
         // Entries of finished transfers are dropped lazily; keep the heap near the live set.
         if st.deadlines.len() > 2 * st.inflight.len() + 1024 {
             let State {
-                deadlines, inflight, ..
+                deadlines,
+                inflight,
+                ..
             } = &mut *st;
             deadlines.retain(|Reverse((_, key, generation, ..))| {
                 inflight.contains(SlotId {
@@ -748,7 +785,8 @@ impl Inner {
     fn expire_deadlines(&self, now: Instant) {
         loop {
             let mut st = self.state.borrow_mut();
-            let Some(Reverse((at, key, generation, conn, timeout))) = st.deadlines.peek().copied() else {
+            let Some(Reverse((at, key, generation, conn, timeout))) = st.deadlines.peek().copied()
+            else {
                 return;
             };
             if at > now {
@@ -767,7 +805,7 @@ impl Inner {
 
     fn kick_progress(&self) {
         self.kick.set(true);
-        self.last_activity.set(Instant::now());
+        self.quiet_polls.set(0);
         if let Some(w) = self.progress_waker.borrow_mut().take() {
             w.wake();
         }
@@ -865,7 +903,7 @@ impl Inner {
         batch.clear();
         let n = range.len();
         let signals = c.credits.plan(n as u32);
-        for (i, &signal) in range.clone().zip(&signals.flags) {
+        for (i, signal) in range.clone().zip(signals.flags()) {
             let wr = &plan.wrs[i];
             let is_last_of_transfer = i + 1 == plan.wrs.len();
             let op = match (op, notify_imm) {
@@ -893,8 +931,7 @@ impl Inner {
                 },
             );
         }
-        let buffers: Vec<&RegisteredBuffer> = regions.iter().map(Region::buffer).collect();
-        match c.qp.post_send_in(batch, &buffers) {
+        match c.qp.post_send_in(batch, regions) {
             Ok(()) => {
                 let signaled = signals.signaled();
                 c.credits.commit(signals);
@@ -923,7 +960,12 @@ impl Inner {
             Err(TransferError::from_status(wc.status()))
         };
         let mut st = self.state.borrow_mut();
-        let conn = st.qpn_to_conn.get(&wc.qp_num()).copied();
+        let qpn = wc.qp_num();
+        let conn = st
+            .qpn_to_conn
+            .iter()
+            .find(|&&(q, _)| q == qpn)
+            .map(|&(_, c)| c);
         let mut wake = Vec::new();
         let mut failed = None;
         if let Some(c) = conn.and_then(|k| st.conns.get_mut(k as usize)) {
@@ -987,7 +1029,9 @@ impl Inner {
                 lkey: c.recv_region.lkey(),
             }],
         );
-        if let Err(e) = c.qp.post_recv_in(&mut r, &[c.recv_region.buffer()]) {
+        if let Err(e) =
+            c.qp.post_recv_in(&mut r, std::slice::from_ref(&c.recv_region))
+        {
             tracing::warn!(conn, error = %e, "reposting a receive failed");
         }
         drop(st);
@@ -1006,7 +1050,8 @@ async fn transfer_inner(
     opts: TransferOptions,
     span: tracing::Span,
 ) -> Result<TransferStats, TransferError> {
-    let t0 = Instant::now();
+    let clock = || inner.cfg.timing.then(Instant::now);
+    let t0 = clock();
     let (qp, max_msg) = {
         let st = inner.state.borrow();
         let c = st
@@ -1045,7 +1090,7 @@ async fn transfer_inner(
     )?;
     span.record("bytes", plan.bytes);
     span.record("wrs", plan.wrs.len());
-    let prepared = Instant::now();
+    let prepared = clock();
     let slot = inner.state.borrow_mut().inflight.insert(
         conn.0,
         KeepAlive {
@@ -1058,7 +1103,11 @@ async fn transfer_inner(
         slot,
         armed: true,
     };
-    inner.arm_deadline(slot, conn.0, opts.timeout.unwrap_or(inner.cfg.transfer_timeout));
+    inner.arm_deadline(
+        slot,
+        conn.0,
+        opts.timeout.unwrap_or(inner.cfg.transfer_timeout),
+    );
     let job = Job {
         op,
         slot,
@@ -1092,7 +1141,7 @@ async fn transfer_inner(
             }
         }
     }
-    let posted = Instant::now();
+    let posted = clock();
     {
         let mut st = inner.state.borrow_mut();
         if let Some(e) = post_err {
@@ -1108,9 +1157,9 @@ async fn transfer_inner(
         descriptors: local.len(),
         work_requests: plan.wrs.len(),
         doorbells,
-        prepare: prepared - t0,
-        post: posted - prepared,
-        total: t0.elapsed(),
+        prepare: since(t0, prepared),
+        post: since(prepared, posted),
+        total: since(t0, clock()),
     })
 }
 
@@ -1144,7 +1193,7 @@ async fn post_single(
             .ok_or_else(|| TransferError::Connection(conn.0, "unknown".into()))?;
         batch.clear();
         batch.push(slot.wr_id(true), op, &[sge], SendFlags::SIGNALED);
-        match c.qp.post_send_in(batch, &[msg_region.buffer()]) {
+        match c.qp.post_send_in(batch, std::slice::from_ref(&msg_region)) {
             Ok(()) => {
                 c.credits.commit(c.credits.plan(1));
                 inflight.add_signaled(slot, 1);
@@ -1171,7 +1220,12 @@ async fn post_single(
 /// (yielding) only while work is in flight, parks when nothing is.
 async fn progress(inner: Rc<Inner>) {
     let mut wcs = vec![WorkCompletion::default(); inner.cfg.poll_batch.max(1)];
+    let mut iteration = 0u32;
     loop {
+        iteration = iteration.wrapping_add(1);
+        if iteration.is_multiple_of(32) || inner.clock.get().is_none() {
+            inner.clock.set(Some(Instant::now()));
+        }
         let n = match inner.cq.poll(&mut wcs) {
             Ok(n) => n,
             Err(e) => {
@@ -1180,7 +1234,7 @@ async fn progress(inner: Rc<Inner>) {
             }
         };
         if n > 0 {
-            inner.last_activity.set(Instant::now());
+            inner.quiet_polls.set(0);
             bump(&inner.counters, |c| {
                 c.polls += 1;
                 c.completions += n as u64;
@@ -1193,8 +1247,13 @@ async fn progress(inner: Rc<Inner>) {
             continue;
         }
         bump(&inner.counters, |c| c.empty_polls += 1);
+        inner
+            .quiet_polls
+            .set(inner.quiet_polls.get().saturating_add(1));
         if !inner.state.borrow().deadlines.is_empty() {
-            inner.expire_deadlines(Instant::now());
+            if let Some(now) = inner.clock.get() {
+                inner.expire_deadlines(now);
+            }
         }
         let idle = inner.state.borrow().inflight.signaled_outstanding() == 0
             && inner
@@ -1216,6 +1275,7 @@ async fn progress(inner: Rc<Inner>) {
         if idle && !waiting_recv {
             // Park until a submitter kicks us: no CPU while idle.
             bump(&inner.counters, |c| c.parks += 1);
+            inner.clock.set(None);
             poll_fn(|cx| {
                 if inner.kick.replace(false) {
                     Poll::Ready(())
@@ -1227,8 +1287,7 @@ async fn progress(inner: Rc<Inner>) {
             .await;
             continue;
         }
-        let spin_for_recv =
-            waiting_recv && inner.last_activity.get().elapsed() < inner.cfg.recv_spin;
+        let spin_for_recv = waiting_recv && inner.quiet_polls.get() < inner.cfg.recv_spin_polls;
         match inner.cfg.poll_mode {
             PollMode::Busy if !idle || spin_for_recv => futures_lite::future::yield_now().await,
             _ => {

@@ -489,7 +489,11 @@ mod tests {
         assert_eq!(count.0.load(Ordering::SeqCst), 1, "the future is woken");
         assert!(!t.expire(id, err.clone()), "expiring twice does nothing");
         assert_eq!(t.poll(id, &mut cx), Poll::Ready(Err(err)));
-        assert_eq!(Rc::strong_count(&region), 2, "memory held while the NIC may touch it");
+        assert_eq!(
+            Rc::strong_count(&region),
+            2,
+            "memory held while the NIC may touch it"
+        );
         let mut cq = FakeCq::default();
         for _ in 0..3 {
             cq.fail(id, true, WcStatus::WorkRequestFlushError);

@@ -45,7 +45,9 @@ fn blocks_sum(n: u64, slot: fn(u64) -> u64, mut read: impl FnMut(u64, &mut [u8])
 }
 
 fn config() -> EngineConfig {
-    EngineConfig::from_env()
+    let mut c = EngineConfig::from_env();
+    c.timing = true;
+    c
 }
 
 fn start_pool(test: &str, cfg: &EngineConfig, cpus: &[usize]) -> Option<EnginePool> {

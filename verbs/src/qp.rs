@@ -1,5 +1,6 @@
 //! Reliable-connected queue pairs with checked state transitions.
 
+use std::borrow::Borrow;
 use std::fmt;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -568,7 +569,11 @@ impl QueuePair {
     /// # Errors
     /// [`Error::InvalidArgument`] naming the first entry outside `buffers`; otherwise as
     /// [`Self::post_send`].
-    pub fn post_send_in(&self, batch: &mut SendBatch, buffers: &[&RegisteredBuffer]) -> Result<()> {
+    pub fn post_send_in<B: Borrow<RegisteredBuffer>>(
+        &self,
+        batch: &mut SendBatch,
+        buffers: &[B],
+    ) -> Result<()> {
         batch.check_inside(buffers)?;
         // SAFETY: every entry lies inside a live RegisteredBuffer (checked above); such a buffer
         // deregisters before it frees its memory, so the NIC cannot reach freed memory through
@@ -581,7 +586,11 @@ impl QueuePair {
     /// # Errors
     /// [`Error::InvalidArgument`] naming the first entry outside `buffers`; otherwise as
     /// [`Self::post_recv`].
-    pub fn post_recv_in(&self, batch: &mut RecvBatch, buffers: &[&RegisteredBuffer]) -> Result<()> {
+    pub fn post_recv_in<B: Borrow<RegisteredBuffer>>(
+        &self,
+        batch: &mut RecvBatch,
+        buffers: &[B],
+    ) -> Result<()> {
         batch.check_inside(buffers)?;
         // SAFETY: as in `post_send_in`.
         unsafe { self.post_recv(batch) }

@@ -1,5 +1,7 @@
 //! Work requests, built into reusable batches that are posted with one doorbell.
 
+use std::borrow::Borrow;
+
 use crate::error::{Error, Result};
 use crate::mr::RegisteredBuffer;
 use crate::qp::QueuePairCapabilities;
@@ -182,7 +184,7 @@ impl SendBatch {
         self.spans.clear();
     }
 
-    pub(crate) fn check_inside(&self, buffers: &[&RegisteredBuffer]) -> Result<()> {
+    pub(crate) fn check_inside<B: Borrow<RegisteredBuffer>>(&self, buffers: &[B]) -> Result<()> {
         sges_inside(&self.sges, buffers)
     }
 
@@ -256,11 +258,12 @@ impl SendBatch {
     }
 }
 
-fn sges_inside(sges: &[sys::ibv_sge], buffers: &[&RegisteredBuffer]) -> Result<()> {
+fn sges_inside<B: Borrow<RegisteredBuffer>>(sges: &[sys::ibv_sge], buffers: &[B]) -> Result<()> {
     for (i, s) in sges.iter().enumerate() {
-        let inside = buffers
-            .iter()
-            .any(|b| b.lkey() == s.lkey && b.region().contains(s.addr, u64::from(s.length)));
+        let inside = buffers.iter().any(|b| {
+            let b = b.borrow();
+            b.lkey() == s.lkey && b.region().contains(s.addr, u64::from(s.length))
+        });
         if !inside {
             return Err(Error::InvalidArgument(format!(
                 "scatter/gather entry {i} ({:#x}+{}, lkey {:#x}) is not inside the given buffers",
@@ -320,7 +323,7 @@ impl RecvBatch {
         self.spans.clear();
     }
 
-    pub(crate) fn check_inside(&self, buffers: &[&RegisteredBuffer]) -> Result<()> {
+    pub(crate) fn check_inside<B: Borrow<RegisteredBuffer>>(&self, buffers: &[B]) -> Result<()> {
         sges_inside(&self.sges, buffers)
     }
 

@@ -97,7 +97,8 @@ fn value<'a>(it: &mut impl Iterator<Item = &'a String>, flag: &str) -> Result<&'
 }
 
 fn num<T: std::str::FromStr>(v: &str, flag: &str) -> Result<T, String> {
-    v.parse().map_err(|_| format!("{flag}: invalid value {v:?}"))
+    v.parse()
+        .map_err(|_| format!("{flag}: invalid value {v:?}"))
 }
 
 pub fn parse(argv: &[String]) -> Result<Args, String> {
@@ -110,7 +111,9 @@ pub fn parse(argv: &[String]) -> Result<Args, String> {
         server: None,
         device: std::env::var("RIXL_RDMA_DEVICE").ok(),
         ib_port: 1,
-        gid_index: std::env::var("RIXL_GID_INDEX").ok().and_then(|v| v.parse().ok()),
+        gid_index: std::env::var("RIXL_GID_INDEX")
+            .ok()
+            .and_then(|v| v.parse().ok()),
         sizes: Vec::new(),
         iters: if test == Test::WriteBw { 5000 } else { 1000 },
         qps: 1,
@@ -149,7 +152,9 @@ pub fn parse(argv: &[String]) -> Result<Args, String> {
             "-q" | "--qp" => a.qps = num(&val(&mut it)?, flag)?,
             "-t" | "--tx-depth" => a.tx_depth = num(&val(&mut it)?, flag)?,
             "-l" | "--post_list" => a.post_list = num(&val(&mut it)?, flag)?,
-            "-D" | "--duration" => a.duration = Some(Duration::from_secs(num(&val(&mut it)?, flag)?)),
+            "-D" | "--duration" => {
+                a.duration = Some(Duration::from_secs(num(&val(&mut it)?, flag)?))
+            }
             "-F" | "--CPU-freq" => {}
             "-p" | "--port" => a.port = num(&val(&mut it)?, flag)?,
             "--report_gbits" => a.report_gbits = true,
@@ -201,7 +206,10 @@ mod tests {
     #[test]
     fn defaults_follow_perftest() {
         let a = p("write_bw").expect("ok");
-        assert_eq!((a.sizes.clone(), a.iters, a.tx_depth, a.qps), (vec![65536], 5000, 128, 1));
+        assert_eq!(
+            (a.sizes.clone(), a.iters, a.tx_depth, a.qps),
+            (vec![65536], 5000, 128, 1)
+        );
         let a = p("read_bw").expect("ok");
         assert_eq!(a.iters, 1000);
         let a = p("write_lat 10.0.0.1").expect("ok");
@@ -214,13 +222,25 @@ mod tests {
         let a = p("send_bw -d rxe0 -x 1 -s 4096 -n 100 -q 2 -t 64 -l 8 --report_gbits --out_json_file=o.json -F host")
             .expect("ok");
         assert_eq!(a.device.as_deref(), Some("rxe0"));
-        assert_eq!((a.gid_index, a.sizes.clone(), a.iters, a.qps, a.tx_depth, a.post_list), (Some(1), vec![4096], 100, 2, 64, 8));
+        assert_eq!(
+            (
+                a.gid_index,
+                a.sizes.clone(),
+                a.iters,
+                a.qps,
+                a.tx_depth,
+                a.post_list
+            ),
+            (Some(1), vec![4096], 100, 2, 64, 8)
+        );
         assert!(a.report_gbits);
         assert_eq!(a.out_json.as_deref(), Some("o.json"));
         let a = p("write_bw -a").expect("ok");
         assert_eq!(a.sizes.len(), 23);
         assert_eq!((a.sizes[0], a.sizes[22]), (2, 8 << 20));
-        assert!(p("write_bw --bogus").expect_err("unknown").contains("unknown option --bogus"));
+        assert!(p("write_bw --bogus")
+            .expect_err("unknown")
+            .contains("unknown option --bogus"));
         assert!(p("frobnicate").is_err());
         assert!(p("write_bw -n 2").is_err());
         assert!(p("write_bw -s").is_err());

@@ -30,6 +30,9 @@ use stats::{BwRow, LatRow};
 
 type Res<T> = Result<T, String>;
 
+/// One size's result on one engine: (size, completion stamps, elapsed seconds).
+type SizeResult = (u64, Vec<(f64, u64)>, f64);
+
 fn s<E: std::fmt::Display>(e: E) -> String {
     e.to_string()
 }
@@ -74,7 +77,10 @@ fn parse_region(f: &[String]) -> Res<RemoteDesc> {
 }
 
 /// Runs `f` on a glommio executor pinned to `cpu`.
-fn on_core<T: Send + 'static>(cpu: usize, f: impl FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = T>>> + Send + 'static) -> Res<T> {
+fn on_core<T: Send + 'static>(
+    cpu: usize,
+    f: impl FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = T>>> + Send + 'static,
+) -> Res<T> {
     rixl::runtime::preflight::check(1, DEFAULT_IO_MEMORY).map_err(s)?;
     LocalExecutorBuilder::new(Placement::Fixed(cpu))
         .io_memory(DEFAULT_IO_MEMORY)
@@ -88,13 +94,22 @@ fn on_core<T: Send + 'static>(cpu: usize, f: impl FnOnce() -> std::pin::Pin<Box<
 // Server
 
 async fn server(a: Args) -> Res<()> {
-    let listener = TcpListener::bind(("0.0.0.0", a.port)).map_err(|e| format!("listen on {}: {e}", a.port))?;
-    eprintln!("rixl-perf {}: waiting for a client on port {}", a.test.name(), a.port);
+    let listener =
+        TcpListener::bind(("0.0.0.0", a.port)).map_err(|e| format!("listen on {}: {e}", a.port))?;
+    eprintln!(
+        "rixl-perf {}: waiting for a client on port {}",
+        a.test.name(),
+        a.port
+    );
     let (sock, peer) = listener.accept().map_err(s)?;
     let mut first = Oob::new(sock).map_err(s)?;
     let hello = Hello::parse(&first.recv()?)?;
     if hello.test != a.test.name() {
-        return Err(format!("client runs {} but this server runs {}", hello.test, a.test.name()));
+        return Err(format!(
+            "client runs {} but this server runs {}",
+            hello.test,
+            a.test.name()
+        ));
     }
     let mut streams = vec![first];
     for _ in 1..hello.engines {
@@ -106,7 +121,10 @@ async fn server(a: Args) -> Res<()> {
     let conns_total = hello.qps * hello.engines;
     let cfg = engine_config(&a, a.test, hello.max_size, hello.tx_depth, conns_total);
     let engine = Engine::open(cfg).await.map_err(s)?;
-    let region = engine.register(hello.max_size.max(4096) as usize).await.map_err(s)?;
+    let region = engine
+        .register(hello.max_size.max(4096) as usize)
+        .await
+        .map_err(s)?;
     let mut all: Vec<(ConnId, RemoteDesc)> = Vec::new();
     for o in &mut streams {
         let theirs = connect_side(&engine, &region, o, hello.qps, true).await?;
@@ -122,15 +140,24 @@ async fn server(a: Args) -> Res<()> {
             ["PING", size, n] => {
                 let (size, n): (u64, u64) = (size.parse().map_err(s)?, n.parse().map_err(s)?);
                 let local = one_desc(&region, size);
-                let remote = RemoteDescList(vec![RemoteDesc { len: size, ..remote0 }]);
+                let remote = RemoteDescList(vec![RemoteDesc {
+                    len: size,
+                    ..remote0
+                }]);
                 for i in 0..n {
                     engine.recv(conn0).await.map_err(s)?;
                     if a.test.is_send() {
-                        engine.send(conn0, &vec![0x5a; size as usize], None).await.map_err(s)?;
+                        engine
+                            .send(conn0, &vec![0x5a; size as usize], None)
+                            .await
+                            .map_err(s)?;
                     } else {
                         let mut o = TransferOptions::default();
                         o.notify_imm = Some(i as u32);
-                        engine.transfer(conn0, Op::Write, &local, &remote, o).await.map_err(s)?;
+                        engine
+                            .transfer(conn0, Op::Write, &local, &remote, o)
+                            .await
+                            .map_err(s)?;
                     }
                 }
             }
@@ -143,7 +170,8 @@ async fn server(a: Args) -> Res<()> {
                     .enumerate()
                     .map(|(k, &c)| {
                         let (e, got) = (engine.clone(), Rc::clone(&got));
-                        let share = n / conns.len() as u64 + u64::from((k as u64) < n % conns.len() as u64);
+                        let share =
+                            n / conns.len() as u64 + u64::from((k as u64) < n % conns.len() as u64);
                         glommio::spawn_local(async move {
                             for _ in 0..share {
                                 e.recv(c).await?;
@@ -170,7 +198,13 @@ async fn server(a: Args) -> Res<()> {
 
 /// Exchanges regions and endpoints for `qps` connections over `o`, and connects them. The server
 /// speaks first. Returns each connection with the peer's region.
-async fn connect_side(engine: &Engine, region: &Region, o: &mut Oob, qps: u32, server: bool) -> Res<Vec<(ConnId, RemoteDesc)>> {
+async fn connect_side(
+    engine: &Engine,
+    region: &Region,
+    o: &mut Oob,
+    qps: u32,
+    server: bool,
+) -> Res<Vec<(ConnId, RemoteDesc)>> {
     let mut mine = Vec::new();
     for _ in 0..qps {
         mine.push(engine.prepare_connection().await.map_err(s)?);
@@ -184,7 +218,9 @@ async fn connect_side(engine: &Engine, region: &Region, o: &mut Oob, qps: u32, s
     };
     let recv_all = |o: &mut Oob| -> Res<(RemoteDesc, Vec<rixl::verbs::Endpoint>)> {
         let r = parse_region(&o.expect("REGION")?)?;
-        let eps = (0..qps).map(|_| o.recv_endpoint()).collect::<Res<Vec<_>>>()?;
+        let eps = (0..qps)
+            .map(|_| o.recv_endpoint())
+            .collect::<Res<Vec<_>>>()?;
         Ok((r, eps))
     };
     let (remote, eps) = if server {
@@ -239,7 +275,10 @@ async fn client_setup(a: &Args, host: &str, max_size: u64) -> Res<ClientSide> {
     )?;
     let cfg = engine_config(a, a.test, max_size, a.tx_depth, a.qps);
     let engine = Engine::open(cfg).await.map_err(s)?;
-    let region = engine.register(max_size.max(4096) as usize).await.map_err(s)?;
+    let region = engine
+        .register(max_size.max(4096) as usize)
+        .await
+        .map_err(s)?;
     let conns = connect_side(&engine, &region, &mut oob, a.qps, false).await?;
     Ok(ClientSide {
         engine,
@@ -263,10 +302,21 @@ fn connect_retry(host: &str, port: u16) -> Res<TcpStream> {
     }
 }
 
-/// One engine's share of a bandwidth run: completion timestamps (seconds since `t0`).
-async fn bw_run(c: &ClientSide, a: &Args, size: u64, iters: u64, t0: Instant) -> Res<Vec<f64>> {
+/// One engine's share of a bandwidth run: completion stamps (seconds since `t0`, messages),
+/// taken every 16 transfers per task (and at each task's end) to keep clock reads off the path.
+async fn bw_run(
+    c: &ClientSide,
+    a: &Args,
+    size: u64,
+    iters: u64,
+    t0: Instant,
+) -> Res<Vec<(f64, u64)>> {
     // A SEND is one message per call (post lists apply to RDMA READ/WRITE).
-    let post_list = if a.test == Test::SendBw { 1 } else { u64::from(a.post_list) };
+    let post_list = if a.test == Test::SendBw {
+        1
+    } else {
+        u64::from(a.post_list)
+    };
     let transfers = iters.div_ceil(post_list);
     let concurrency = (u64::from(a.tx_depth) / post_list).max(1);
     let next = Rc::new(Cell::new(0u64));
@@ -282,7 +332,11 @@ async fn bw_run(c: &ClientSide, a: &Args, size: u64, iters: u64, t0: Instant) ->
         let conns = c.conns.clone();
         let region = c.region.clone();
         let send = a.test == Test::SendBw;
-        let payload = if send { vec![0xa5u8; size as usize] } else { Vec::new() };
+        let payload = if send {
+            vec![0xa5u8; size as usize]
+        } else {
+            Vec::new()
+        };
         tasks.push(glommio::spawn_local(async move {
             let mut local = LocalDescList::with_capacity(post_list as usize);
             for _ in 0..post_list {
@@ -290,15 +344,23 @@ async fn bw_run(c: &ClientSide, a: &Args, size: u64, iters: u64, t0: Instant) ->
             }
             let remotes: Vec<RemoteDescList> = conns
                 .iter()
-                .map(|(_, r)| RemoteDescList(vec![RemoteDesc { len: size, ..*r }; post_list as usize]))
+                .map(|(_, r)| {
+                    RemoteDescList(vec![RemoteDesc { len: size, ..*r }; post_list as usize])
+                })
                 .collect();
+            let mut unstamped = 0u64;
             loop {
                 let i = next.get();
                 let more = match deadline {
-                    Some(d) => Instant::now() < d,
+                    Some(d) => !(i.is_multiple_of(64) && Instant::now() >= d),
                     None => i < transfers,
                 };
                 if !more {
+                    if unstamped > 0 {
+                        times
+                            .borrow_mut()
+                            .push((t0.elapsed().as_secs_f64(), unstamped));
+                    }
                     return Ok::<(), String>(());
                 }
                 next.set(i + 1);
@@ -306,20 +368,33 @@ async fn bw_run(c: &ClientSide, a: &Args, size: u64, iters: u64, t0: Instant) ->
                 if send {
                     e.send(conns[k].0, &payload, None).await.map_err(s)?;
                 } else {
-                    e.transfer(conns[k].0, op, &local, &remotes[k], TransferOptions::default())
-                        .await
-                        .map_err(s)?;
+                    e.transfer(
+                        conns[k].0,
+                        op,
+                        &local,
+                        &remotes[k],
+                        TransferOptions::default(),
+                    )
+                    .await
+                    .map_err(s)?;
                 }
-                let t = t0.elapsed().as_secs_f64();
-                times.borrow_mut().extend(std::iter::repeat_n(t, post_list as usize));
+                unstamped += post_list;
+                if unstamped >= 16 * post_list {
+                    times
+                        .borrow_mut()
+                        .push((t0.elapsed().as_secs_f64(), unstamped));
+                    unstamped = 0;
+                }
             }
         }));
     }
     for t in tasks {
         t.await?;
     }
-    let mut v = Rc::try_unwrap(times).map_err(|_| "tasks still hold results")?.into_inner();
-    v.sort_by(f64::total_cmp);
+    let mut v = Rc::try_unwrap(times)
+        .map_err(|_| "tasks still hold results")?
+        .into_inner();
+    v.sort_by(|x, y| x.0.total_cmp(&y.0));
     Ok(v)
 }
 
@@ -331,12 +406,16 @@ fn client_bw(a: &Args, host: &str) -> Res<Vec<BwRow>> {
     if a.test == Test::SendBw && max_size > (1 << 20) {
         return Err("send_bw: rixl messages are at most 1 MiB (they are copied into registered receive buffers)".into());
     }
-    let engines = if a.test == Test::SendBw { 1 } else { a.engines as usize };
+    let engines = if a.test == Test::SendBw {
+        1
+    } else {
+        a.engines as usize
+    };
     let barrier = Arc::new(Barrier::new(engines));
     let handles: Vec<_> = (0..engines)
         .map(|idx| {
             let (a, host, barrier) = (a.clone(), host.to_string(), Arc::clone(&barrier));
-            std::thread::spawn(move || -> Res<Vec<(u64, Vec<f64>, f64)>> {
+            std::thread::spawn(move || -> Res<Vec<SizeResult>> {
                 let ncpu = rixl::runtime::available_cpus().len();
                 on_core((a.cpu.unwrap_or(0) + idx) % ncpu, move || {
                     Box::pin(async move {
@@ -350,7 +429,18 @@ fn client_bw(a: &Args, host: &str) -> Res<Vec<BwRow>> {
                             if a.test == Test::SendBw {
                                 c.oob.send(&format!("SENDBW {warm}"))?;
                             }
-                            bw_run(&c, &Args { duration: None, post_list: 1, ..a.clone() }, size, warm, Instant::now()).await?;
+                            bw_run(
+                                &c,
+                                &Args {
+                                    duration: None,
+                                    post_list: 1,
+                                    ..a.clone()
+                                },
+                                size,
+                                warm,
+                                Instant::now(),
+                            )
+                            .await?;
                             if a.test == Test::SendBw {
                                 c.oob.expect("SENDBW-DONE")?;
                                 c.oob.send(&format!("SENDBW {iters}"))?;
@@ -358,7 +448,7 @@ fn client_bw(a: &Args, host: &str) -> Res<Vec<BwRow>> {
                             barrier.wait();
                             let t0 = Instant::now();
                             let times = bw_run(&c, &a, size, iters, t0).await?;
-                            let elapsed = times.last().copied().unwrap_or(0.0);
+                            let elapsed = times.last().map_or(0.0, |t| t.0);
                             if a.test == Test::SendBw {
                                 c.oob.expect("SENDBW-DONE")?;
                             }
@@ -380,8 +470,11 @@ fn client_bw(a: &Args, host: &str) -> Res<Vec<BwRow>> {
     }
     let mut rows = Vec::new();
     for (i, &size) in a.sizes.iter().enumerate() {
-        let mut all: Vec<f64> = per_engine.iter().flat_map(|e| e[i].1.iter().copied()).collect();
-        all.sort_by(f64::total_cmp);
+        let mut all: Vec<(f64, u64)> = per_engine
+            .iter()
+            .flat_map(|e| e[i].1.iter().copied())
+            .collect();
+        all.sort_by(|x, y| x.0.total_cmp(&y.0));
         let elapsed = per_engine.iter().map(|e| e[i].2).fold(0.0, f64::max);
         rows.push(stats::bw_from(size, &all, elapsed));
     }
@@ -402,7 +495,10 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
             let mut awaits = Vec::new();
             for &size in &a.sizes {
                 let local = one_desc(&c.region, size);
-                let remote = RemoteDescList(vec![RemoteDesc { len: size, ..remote0 }]);
+                let remote = RemoteDescList(vec![RemoteDesc {
+                    len: size,
+                    ..remote0
+                }]);
                 let warm = (a.iters / 10).max(5);
                 let total = a.iters + warm;
                 let mut samples = Vec::with_capacity(a.iters as usize);
@@ -427,7 +523,10 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                             } else {
                                 let mut o = TransferOptions::default();
                                 o.notify_imm = Some(i as u32);
-                                c.engine.transfer(conn, Op::Write, &local, &remote, o).await.map_err(s)?;
+                                c.engine
+                                    .transfer(conn, Op::Write, &local, &remote, o)
+                                    .await
+                                    .map_err(s)?;
                             }
                             match c.engine.recv(conn).await.map_err(s)? {
                                 Message::Immediate(_) | Message::Data(..) => {}
@@ -481,7 +580,12 @@ fn banner(a: &Args) {
         a.engines,
         a.poll_mode
     );
-    println!(" TX depth: {} | Post list: {} | GID index: {}", a.tx_depth, a.post_list, a.gid_index.map_or("default".into(), |g| g.to_string()));
+    println!(
+        " TX depth: {} | Post list: {} | GID index: {}",
+        a.tx_depth,
+        a.post_list,
+        a.gid_index.map_or("default".into(), |g| g.to_string())
+    );
     println!("{line}");
 }
 

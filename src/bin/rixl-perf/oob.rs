@@ -16,7 +16,7 @@ fn hex(b: &[u8]) -> String {
 }
 
 fn unhex(s: &str) -> Result<Vec<u8>, String> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return Err(format!("odd hex length in {s:?}"));
     }
     (0..s.len())
@@ -94,7 +94,10 @@ impl Hello {
         if f[1] != "1" {
             return Err(format!("protocol version {} is not supported (1)", f[1]));
         }
-        let n = |s: &str| s.parse::<u64>().map_err(|_| format!("bad number {s:?} in {l:?}"));
+        let n = |s: &str| {
+            s.parse::<u64>()
+                .map_err(|_| format!("bad number {s:?} in {l:?}"))
+        };
         Ok(Hello {
             test: f[2].to_string(),
             qps: n(f[3])? as u32,
@@ -119,7 +122,10 @@ mod tests {
             tx_depth: 128,
         };
         let back = Hello::parse(&h.line()).expect("parse");
-        assert_eq!((back.test.as_str(), back.qps, back.max_size), ("write_bw", 2, 65536));
+        assert_eq!(
+            (back.test.as_str(), back.qps, back.max_size),
+            ("write_bw", 2, 65536)
+        );
         assert!(Hello::parse("GET / HTTP/1.1").is_err());
         assert!(Hello::parse("RIXL-PERF 2 write_bw 1 1 1 1").is_err());
         assert_eq!(unhex(&hex(&[0, 255, 16])).expect("hex"), vec![0, 255, 16]);

@@ -39,16 +39,16 @@ pub fn bw_line(r: &BwRow, gbits: bool) -> String {
     )
 }
 
-/// Bandwidth from sorted per-completion timestamps (seconds since start) of equally sized
+/// Bandwidth from completion stamps `(seconds since start, messages completed)` of equally sized
 /// messages: peak = the best of 10 equal time slices of the run, average = the whole run.
-pub fn bw_from(bytes: u64, completions: &[f64], elapsed: f64) -> BwRow {
-    let n = completions.len();
+pub fn bw_from(bytes: u64, completions: &[(f64, u64)], elapsed: f64) -> BwRow {
+    let n: u64 = completions.iter().map(|c| c.1).sum();
     let slices = 10usize;
     let mut per = [0u64; 10];
     if elapsed > 0.0 {
-        for &t in completions {
-            let k = ((t / elapsed) * slices as f64) as usize;
-            per[k.min(slices - 1)] += 1;
+        for &(t, k) in completions {
+            let i = ((t / elapsed) * slices as f64) as usize;
+            per[i.min(slices - 1)] += k;
         }
     }
     let slice = elapsed / slices as f64;
@@ -58,10 +58,10 @@ pub fn bw_from(bytes: u64, completions: &[f64], elapsed: f64) -> BwRow {
             peak = peak.max((c * bytes) as f64 / slice);
         }
     }
-    let avg = (n as u64 * bytes) as f64 / elapsed;
+    let avg = (n * bytes) as f64 / elapsed;
     BwRow {
         bytes,
-        iters: n as u64,
+        iters: n,
         peak: peak.max(avg),
         avg,
         msg_rate: n as f64 / elapsed,
@@ -95,7 +95,10 @@ pub fn lat_line(r: &LatRow) -> String {
 
 /// Latency statistics of `samples`, each divided by `div` (2 for ping-pong one-way figures).
 pub fn lat_from(bytes: u64, samples: &[Duration], div: f64) -> LatRow {
-    let mut us: Vec<f64> = samples.iter().map(|d| d.as_secs_f64() * 1e6 / div).collect();
+    let mut us: Vec<f64> = samples
+        .iter()
+        .map(|d| d.as_secs_f64() * 1e6 / div)
+        .collect();
     us.sort_by(f64::total_cmp);
     let n = us.len().max(1) as f64;
     let avg = us.iter().sum::<f64>() / n;
@@ -151,7 +154,7 @@ mod tests {
     #[test]
     fn bandwidth_and_latency_statistics() {
         // 100 messages of 1 MiB, one every 10 ms: 100 MiB/s on average and at peak.
-        let t: Vec<f64> = (1..=100).map(|i| i as f64 * 0.01).collect();
+        let t: Vec<(f64, u64)> = (1..=100).map(|i| ((i as f64 - 0.5) * 0.01, 1)).collect();
         let r = bw_from(1 << 20, &t, 1.0);
         assert!((r.avg / (1u64 << 20) as f64 - 100.0).abs() < 1e-9);
         assert!((r.peak / (1u64 << 20) as f64 - 100.0).abs() < 1e-6);
@@ -160,10 +163,10 @@ mod tests {
         assert!(bw_line(&r, true).contains("0.84"), "{}", bw_line(&r, true));
         let s: Vec<Duration> = (1..=1000).map(Duration::from_micros).collect();
         let l = lat_from(2, &s, 2.0);
-        assert_eq!((l.min, l.max), (0.5, 500.0));
-        assert_eq!(l.typical, 250.5);
-        assert_eq!(l.p99, 495.0);
-        assert_eq!(l.p999, 499.5);
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
+        assert!(close(l.min, 0.5) && close(l.max, 500.0), "{l:?}");
+        assert!(close(l.typical, 250.5), "{l:?}");
+        assert!(close(l.p99, 495.0) && close(l.p999, 499.5), "{l:?}");
         assert!(lat_header().contains("t_typical[usec]") && bw_header(true).contains("Gb/sec"));
         assert!(bw_json(&[r], false).contains("\"BW_average\": 100.00"));
     }

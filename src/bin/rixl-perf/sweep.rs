@@ -6,7 +6,10 @@
 use std::time::{Duration, Instant};
 
 use futures_lite::future::block_on;
-use rixl::runtime::{Engine, EngineConfig, EnginePool, LocalDescList, Op, RemoteDesc, RemoteDescList, TransferOptions, DEFAULT_IO_MEMORY};
+use rixl::runtime::{
+    Engine, EngineConfig, EnginePool, LocalDescList, Op, RemoteDesc, RemoteDescList,
+    TransferOptions, DEFAULT_IO_MEMORY,
+};
 
 use super::{on_core, s, Res};
 
@@ -57,7 +60,12 @@ fn parse(argv: &[String]) -> Res<Sweep> {
             Some((f, v)) => (f, Some(v.to_string())),
             None => (a.as_str(), None),
         };
-        let mut v = || -> Res<String> { inline.clone().or_else(|| it.next().cloned()).ok_or(format!("{flag} needs a value")) };
+        let mut v = || -> Res<String> {
+            inline
+                .clone()
+                .or_else(|| it.next().cloned())
+                .ok_or(format!("{flag} needs a value"))
+        };
         let mut n = || -> Res<u64> { v()?.parse().map_err(|_| format!("{flag}: not a number")) };
         match flag {
             "--op" => {
@@ -81,7 +89,12 @@ fn parse(argv: &[String]) -> Res<Sweep> {
             f => return Err(format!("unknown option {f}\n{USAGE}")),
         }
     }
-    if w.start_block == 0 || w.start_block > w.max_block || w.start_batch == 0 || w.start_batch > w.max_batch || w.iters == 0 {
+    if w.start_block == 0
+        || w.start_block > w.max_block
+        || w.start_batch == 0
+        || w.start_batch > w.max_batch
+        || w.iters == 0
+    {
         return Err(format!("inconsistent sizes\n{USAGE}"));
     }
     if w.max_block > w.buffer {
@@ -98,6 +111,7 @@ fn pct(v: &mut [f64], p: f64) -> f64 {
 pub fn main(argv: &[String]) -> Res<()> {
     let w = parse(argv)?;
     let mut cfg = EngineConfig::from_env();
+    cfg.timing = true; // prepare / post / transfer columns
     if w.device.is_some() {
         cfg.device = w.device.clone();
     }
@@ -111,7 +125,11 @@ pub fn main(argv: &[String]) -> Res<()> {
     let t = pool.handles()[0].clone();
     let target_region = block_on(t.register(w.buffer as usize)).map_err(s)?;
     let (tconn, tep) = block_on(t.prepare_connection()).map_err(s)?;
-    let remote_base = RemoteDesc { addr: target_region.addr(), len: 0, rkey: target_region.rkey() };
+    let remote_base = RemoteDesc {
+        addr: target_region.addr(),
+        len: 0,
+        rkey: target_region.rkey(),
+    };
     let (ep_tx, ep_rx) = std::sync::mpsc::channel();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
     let run = std::thread::spawn(move || -> Res<()> {
@@ -138,17 +156,30 @@ pub fn main(argv: &[String]) -> Res<()> {
                         for i in 0..batch {
                             let off = (i % slots) * block;
                             local.push(&region, off, block);
-                            remote.push(RemoteDesc { addr: remote_base.addr + off, len: block, ..remote_base });
+                            remote.push(RemoteDesc {
+                                addr: remote_base.addr + off,
+                                len: block,
+                                ..remote_base
+                            });
                         }
                         let remote = RemoteDescList(remote);
-                        let iters = if block > (1 << 20) { (w.iters / w.large_factor).max(1) } else { w.iters };
+                        let iters = if block > (1 << 20) {
+                            (w.iters / w.large_factor).max(1)
+                        } else {
+                            w.iters
+                        };
                         for _ in 0..w.warmup.min(iters) {
-                            e.transfer(conn, w.op, &local, &remote, TransferOptions::default()).await.map_err(s)?;
+                            e.transfer(conn, w.op, &local, &remote, TransferOptions::default())
+                                .await
+                                .map_err(s)?;
                         }
                         let (mut prep, mut post, mut tx) = (Vec::new(), Vec::new(), Vec::new());
                         let t0 = Instant::now();
                         for _ in 0..iters {
-                            let st = e.transfer(conn, w.op, &local, &remote, TransferOptions::default()).await.map_err(s)?;
+                            let st = e
+                                .transfer(conn, w.op, &local, &remote, TransferOptions::default())
+                                .await
+                                .map_err(s)?;
                             prep.push(st.prepare.as_secs_f64() * 1e6);
                             post.push(st.post.as_secs_f64() * 1e6);
                             tx.push(st.total.as_secs_f64() * 1e6);
@@ -178,10 +209,14 @@ pub fn main(argv: &[String]) -> Res<()> {
             })
         })?
     });
-    let ep = ep_rx.recv_timeout(Duration::from_secs(30)).map_err(|_| "initiator did not start".to_string())?;
+    let ep = ep_rx
+        .recv_timeout(Duration::from_secs(30))
+        .map_err(|_| "initiator did not start".to_string())?;
     block_on(t.complete_connection(tconn, ep)).map_err(s)?;
     ready_tx.send(()).map_err(s)?;
-    let r = run.join().map_err(|_| "sweep thread panicked".to_string())?;
+    let r = run
+        .join()
+        .map_err(|_| "sweep thread panicked".to_string())?;
     pool.shutdown();
     r
 }

@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""Side-by-side comparison of perftest and rixl-perf on the same RDMA device in ONE boot.
+
+Runs inside the rxe guest (benches/compare-perftest boots it). For every test and size it runs
+perftest and rixl-perf alternately for --rounds rounds (same sizes, iterations, tx depth and post
+list) and compares medians. Writes target/compare/compare.csv, compare.md and bandwidth.svg.
+"""
+import argparse
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+DEV = os.environ.get("RIXL_RDMA_DEVICE", "rxe0")
+GID = os.environ.get("RIXL_GID_INDEX", "1")
+
+
+def run_pair(server_cmd, client_cmd, timeout=180):
+    srv = subprocess.Popen(server_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.7)
+    try:
+        out = subprocess.run(client_cmd, capture_output=True, text=True, timeout=timeout)
+    finally:
+        try:
+            srv.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            srv.kill()
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(client_cmd)} failed: {out.stderr.strip()[-400:]}")
+    return out.stdout
+
+
+def parse_row(text, size):
+    """Returns the numeric columns of perftest's result row for `size`."""
+    for line in text.splitlines():
+        f = line.split()
+        if len(f) >= 5 and f[0] == str(size):
+            try:
+                return [float(x) for x in f[1:]]
+            except ValueError:
+                continue
+    raise RuntimeError(f"no result row for {size} in:\n{text}")
+
+
+def tool_cmds(tool, test, size, iters, post_list, rixl):
+    if tool == "perftest":
+        base = ["timeout", "150", f"ib_{test}", "-d", DEV, "-x", GID, "-s", str(size), "-n", str(iters), "-F"]
+        if post_list > 1:
+            base += ["-l", str(post_list)]
+    else:
+        base = [rixl, test, "-d", DEV, "-x", GID, "-s", str(size), "-n", str(iters), "-F"]
+        if post_list > 1:
+            base += ["-l", str(post_list)]
+    return base, base + ["127.0.0.1"]
+
+
+def measure(tool, test, size, iters, post_list, rixl):
+    iters = -(-iters // post_list) * post_list  # perftest wants a multiple of the post list
+    s, c = tool_cmds(tool, test, size, iters, post_list, rixl)
+    row = parse_row(run_pair(s, c), size)
+    if test.endswith("_bw"):
+        return {"bw_avg": row[2], "msg_rate": row[3]}  # MiB/s, Mpps
+    return {"t_typical": row[3], "t_avg": row[4], "p99": row[6]}
+
+
+def await_latency(rixl, size, iters):
+    s, c = tool_cmds("rixl", "write_lat", size, iters, 1, rixl)
+    out = run_pair(s, c)
+    for line in out.splitlines():
+        if line.startswith("# rixl: one .await"):
+            return float(line.split("t_typical")[1].split()[0])
+    raise RuntimeError("no .await line")
+
+
+def svg_plot(rows, path):
+    """Bandwidth vs message size, both tools (log2 x axis), as a small hand-written SVG."""
+    pts = [r for r in rows if r["test"] == "write_bw" and r["post_list"] == 1]
+    if not pts:
+        return
+    W, H, L, B = 720, 420, 70, 50
+    sizes = sorted({r["size"] for r in pts})
+    ymax = max(max(r["perftest"], r["rixl"]) for r in pts) * 1.15
+    import math
+    x0, x1 = math.log2(sizes[0]), math.log2(sizes[-1]) if len(sizes) > 1 else math.log2(sizes[0]) + 1
+    def X(s):
+        return L + (math.log2(s) - x0) / max(x1 - x0, 1e-9) * (W - L - 20)
+    def Y(v):
+        return H - B - v / ymax * (H - B - 30)
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
+           f'<rect width="{W}" height="{H}" fill="white"/>',
+           f'<text x="{W/2}" y="18" text-anchor="middle" font-size="14">RDMA WRITE bandwidth on rxe (same boot): perftest vs rixl</text>',
+           f'<line x1="{L}" y1="{H-B}" x2="{W-10}" y2="{H-B}" stroke="black"/>',
+           f'<line x1="{L}" y1="{H-B}" x2="{L}" y2="20" stroke="black"/>',
+           f'<text x="{W/2}" y="{H-10}" text-anchor="middle">message size (bytes)</text>',
+           f'<text x="15" y="{H/2}" transform="rotate(-90 15 {H/2})" text-anchor="middle">MiB/s (median)</text>']
+    for s in sizes:
+        out.append(f'<text x="{X(s)}" y="{H-B+16}" text-anchor="middle">{s if s < 1024 else (str(s//1024)+"K" if s < 1<<20 else str(s>>20)+"M")}</text>')
+    for k in range(6):
+        v = ymax * k / 5
+        out.append(f'<text x="{L-6}" y="{Y(v)+4}" text-anchor="end">{v:.0f}</text>')
+        out.append(f'<line x1="{L}" y1="{Y(v)}" x2="{W-10}" y2="{Y(v)}" stroke="#ddd"/>')
+    for key, color in (("perftest", "#d62728"), ("rixl", "#1f77b4")):
+        p = " ".join(f"{X(r['size']):.1f},{Y(r[key]):.1f}" for r in sorted(pts, key=lambda r: r["size"]))
+        out.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="{p}"/>')
+        for r in pts:
+            out.append(f'<circle cx="{X(r["size"]):.1f}" cy="{Y(r[key]):.1f}" r="3" fill="{color}"/>')
+    out.append(f'<text x="{W-150}" y="40" fill="#d62728">ib_write_bw</text><text x="{W-150}" y="56" fill="#1f77b4">rixl-perf write_bw</text>')
+    out.append("</svg>")
+    with open(path, "w") as f:
+        f.write("\n".join(out))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rixl", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="fewer sizes and iterations (smoke run)")
+    a = ap.parse_args()
+    os.makedirs(a.out, exist_ok=True)
+    budget = (32 << 20) if a.quick else (96 << 20)
+    bw_sizes = [4096, 65536, 1 << 20] if a.quick else [4096, 16384, 65536, 262144, 1 << 20, 4 << 20, 8 << 20]
+    rate_sizes = [64] if a.quick else [64, 512, 4096]
+    lat_sizes = [64, 4096]
+    plan = []
+    for test in ("write_bw", "read_bw", "send_bw"):
+        for size in bw_sizes:
+            if test == "send_bw" and size > (1 << 20):
+                continue  # rixl messages are at most 1 MiB
+            iters = int(min(5000, max(64, budget // size)))
+            plan.append((test, size, iters, 1))
+    for size in rate_sizes:
+        plan.append(("write_bw", size, 5000 if a.quick else 20000, 1))
+        plan.append(("write_bw", size, 5000 if a.quick else 20000, 16))
+    for size in lat_sizes:
+        plan.append(("write_lat", size, 300 if a.quick else 1000, 1))
+    plan.append(("read_lat", 64, 300 if a.quick else 1000, 1))
+    plan.append(("send_lat", 64, 300 if a.quick else 1000, 1))
+    rows = []
+    for test, size, iters, pl in plan:
+        res = {"perftest": [], "rixl": []}
+        for _ in range(a.rounds):
+            for tool in ("perftest", "rixl"):
+                res[tool].append(measure(tool, test, size, iters, pl, a.rixl))
+        key = "bw_avg" if test.endswith("_bw") else "t_typical"
+        med = {t: statistics.median(x[key] for x in res[t]) for t in res}
+        r = {"test": test, "size": size, "iters": iters, "post_list": pl, "metric": key,
+             "perftest": med["perftest"], "rixl": med["rixl"],
+             "perftest_all": [x[key] for x in res["perftest"]], "rixl_all": [x[key] for x in res["rixl"]]}
+        if test.endswith("_bw"):
+            r["perftest_mpps"] = statistics.median(x["msg_rate"] for x in res["perftest"])
+            r["rixl_mpps"] = statistics.median(x["msg_rate"] for x in res["rixl"])
+        # ratio: >1 means rixl is better (more bandwidth, or less latency)
+        r["ratio"] = (r["rixl"] / r["perftest"]) if test.endswith("_bw") else (r["rixl"] / r["perftest"])
+        rows.append(r)
+        unit = "MiB/s" if test.endswith("_bw") else "us"
+        print(f"{test:9} {size:>8} B  -l {pl:<2} n={iters:<5}  perftest {r['perftest']:9.2f}  rixl {r['rixl']:9.2f} {unit:5}  rixl/perftest {r['ratio']:.2f}   (rounds: perftest {r['perftest_all']}, rixl {r['rixl_all']})", flush=True)
+    awaits = []
+    for size in lat_sizes:
+        vals = [await_latency(a.rixl, size, 300 if a.quick else 1000) for _ in range(a.rounds)]
+        pt = next(r for r in rows if r["test"] == "write_lat" and r["size"] == size)["perftest"]
+        awaits.append((size, statistics.median(vals), pt))
+        print(f"one .await of a {size} B WRITE: t_typical {statistics.median(vals):.2f} us = {statistics.median(vals)/pt:.2f} x ib_write_lat one-way t_typical ({pt:.2f} us)", flush=True)
+    with open(os.path.join(a.out, "compare.csv"), "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["test", "size", "iterations", "post_list", "metric", "perftest", "rixl", "rixl_over_perftest", "perftest_mpps", "rixl_mpps"])
+        for r in rows:
+            w.writerow([r["test"], r["size"], r["iters"], r["post_list"], r["metric"], f"{r['perftest']:.3f}", f"{r['rixl']:.3f}", f"{r['ratio']:.3f}", r.get("perftest_mpps", ""), r.get("rixl_mpps", "")])
+        for size, v, pt in awaits:
+            w.writerow(["await_write", size, "", 1, "t_typical_over_write_lat_oneway", f"{pt:.3f}", f"{v:.3f}", f"{v/pt:.3f}", "", ""])
+    with open(os.path.join(a.out, "compare.md"), "w") as f:
+        f.write("| test | size (B) | -l | perftest | rixl | rixl/perftest |\n|---|---|---|---|---|---|\n")
+        for r in rows:
+            unit = "MiB/s" if r["test"].endswith("_bw") else "µs t_typical"
+            f.write(f"| {r['test']} | {r['size']} | {r['post_list']} | {r['perftest']:.2f} {unit} | {r['rixl']:.2f} {unit} | {r['ratio']:.2f} |\n")
+        for size, v, pt in awaits:
+            f.write(f"| one `.await` WRITE | {size} | 1 | {pt:.2f} µs (ib_write_lat one-way) | {v:.2f} µs | {v/pt:.2f}x |\n")
+    svg_plot(rows, os.path.join(a.out, "bandwidth.svg"))
+    print(f"wrote {a.out}/compare.csv, compare.md, bandwidth.svg")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except Exception as e:  # surface the reason, fail the run
+        print(f"compare-perftest: {e}", file=sys.stderr)
+        sys.exit(1)
