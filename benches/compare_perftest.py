@@ -131,6 +131,8 @@ def main():
                 continue  # rixl messages are at most 1 MiB
             iters = int(min(5000, max(64, budget // size)))
             plan.append((test, size, iters, 1))
+            if size <= 16384 and test != "send_bw":
+                plan.append((test, size, iters, 8))
     for size in rate_sizes:
         plan.append(("write_bw", size, 5000 if a.quick else 20000, 1))
         plan.append(("write_bw", size, 5000 if a.quick else 20000, 16))
