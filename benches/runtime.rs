@@ -47,7 +47,9 @@ fn bench_plan(c: &mut Criterion) {
         let (local, remote) = scattered(n, 4096);
         g.throughput(Throughput::Elements(n));
         g.bench_with_input(BenchmarkId::new("scattered_4KiB", n), &n, |b, _| {
-            b.iter(|| plan(&[REGION], black_box(&local), black_box(&remote), limits).expect("valid"))
+            b.iter(|| {
+                plan(&[REGION], black_box(&local), black_box(&remote), limits).expect("valid")
+            })
         });
     }
     // Contiguous blocks merge into few requests.
@@ -142,5 +144,11 @@ fn bench_endpoint(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, bench_plan, bench_inflight, bench_credits, bench_endpoint);
+criterion_group!(
+    benches,
+    bench_plan,
+    bench_inflight,
+    bench_credits,
+    bench_endpoint
+);
 criterion_main!(benches);

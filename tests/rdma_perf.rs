@@ -29,7 +29,11 @@ fn pair(args: &[&str], port: u16) -> String {
         .output()
         .expect("client");
     let st = srv.wait().expect("server exit");
-    assert!(out.status.success(), "client failed: {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "client failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(st.success(), "server failed");
     String::from_utf8(out.stdout).expect("utf8")
 }
@@ -58,9 +62,15 @@ fn bandwidth_tests_print_perftest_columns() {
         let r = row(&out, "4096");
         assert_eq!(r[0], 400.0, "iterations");
         assert!(r[2] > 0.0 && r[1] >= r[2] && r[3] > 0.0, "{test}: {r:?}");
-        rixl_testkit::report(&format!("rixl-perf {test} 4096 B -l 4: {:.2} MiB/s, {:.6} Mpps", r[2], r[3]));
+        rixl_testkit::report(&format!(
+            "rixl-perf {test} 4096 B -l 4: {:.2} MiB/s, {:.6} Mpps",
+            r[2], r[3]
+        ));
     }
-    let out = pair(&["write_bw", "-s", "65536", "-n", "100", "--report_gbits"], 18604);
+    let out = pair(
+        &["write_bw", "-s", "65536", "-n", "100", "--report_gbits"],
+        18604,
+    );
     assert!(out.contains("BW average[Gb/sec]"), "{out}");
 }
 
@@ -69,14 +79,24 @@ fn latency_tests_print_perftest_columns_and_the_await_line() {
     if device().is_none() {
         return;
     }
-    for (test, port) in [("write_lat", 18611), ("read_lat", 18612), ("send_lat", 18613)] {
+    for (test, port) in [
+        ("write_lat", 18611),
+        ("read_lat", 18612),
+        ("send_lat", 18613),
+    ] {
         let out = pair(&[test, "-s", "64", "-n", "100"], port);
-        assert!(out.contains("t_typical[usec]") && out.contains("99.9% percentile[usec]"), "{out}");
+        assert!(
+            out.contains("t_typical[usec]") && out.contains("99.9% percentile[usec]"),
+            "{out}"
+        );
         let r = row(&out, "64");
         // min <= typical <= max, all positive.
         assert!(r[1] > 0.0 && r[1] <= r[3] && r[3] <= r[2], "{test}: {r:?}");
         if test == "write_lat" {
-            assert!(out.contains("# rixl: one .await of a 64 B RDMA WRITE"), "{out}");
+            assert!(
+                out.contains("# rixl: one .await of a 64 B RDMA WRITE"),
+                "{out}"
+            );
         }
     }
 }
@@ -87,23 +107,47 @@ fn the_sweep_reports_every_block_and_batch() {
         return;
     }
     let out = Command::new(PERF)
-        .args(["sweep", "--max_block_size", "16384", "--max_batch_size", "4", "--num_iter", "20"])
+        .args([
+            "sweep",
+            "--max_block_size",
+            "16384",
+            "--max_batch_size",
+            "4",
+            "--num_iter",
+            "20",
+        ])
         .args(["--warmup_iter", "2", "--total_buffer_size", "1048576"])
         .output()
         .expect("sweep");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8(out.stdout).expect("utf8");
-    assert!(text.contains("Block Size (B) | Batch Size | B/W (GB/Sec)"), "{text}");
+    assert!(
+        text.contains("Block Size (B) | Batch Size | B/W (GB/Sec)"),
+        "{text}"
+    );
     // 3 block sizes (4K, 8K, 16K) x 3 batch sizes (1, 2, 4).
-    let rows = text.lines().filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit())).count();
+    let rows = text
+        .lines()
+        .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .count();
     assert_eq!(rows, 9, "{text}");
 }
 
 #[test]
 fn bad_flags_are_errors() {
-    let out = Command::new(PERF).args(["write_bw", "--bogus"]).output().expect("run");
+    let out = Command::new(PERF)
+        .args(["write_bw", "--bogus"])
+        .output()
+        .expect("run");
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("unknown option --bogus"));
-    let out = Command::new(PERF).args(["sweep", "--max_block_size", "1"]).output().expect("run");
+    let out = Command::new(PERF)
+        .args(["sweep", "--max_block_size", "1"])
+        .output()
+        .expect("run");
     assert!(!out.status.success());
 }

@@ -228,7 +228,9 @@ impl Drop for MessageSlot {
 }
 
 /// (when, slot key, slot generation, connection, the timeout it was armed with), soonest first.
-type Deadline = Reverse<(Instant, u32, u32, u32, Duration)>;
+/// `None` = armed while the progress loop's clock was not running; the loop stamps it (now +
+/// timeout) on its next clock read, so submitting never reads the clock.
+type Deadline = Reverse<(Option<Instant>, u32, u32, u32, Duration)>;
 
 struct State {
     // Field order matters: queue pairs are destroyed before the in-flight keep-alives release
@@ -755,15 +757,10 @@ impl Drop for SlotGuard {
 impl Inner {
     /// Arms the deadline of a transfer slot.
     fn arm_deadline(&self, slot: SlotId, conn: u32, timeout: Duration) {
-        let now = self.clock.get().unwrap_or_else(Instant::now);
+        let at = self.clock.get().map(|now| now + timeout);
         let mut st = self.state.borrow_mut();
-        st.deadlines.push(Reverse((
-            now + timeout,
-            slot.key,
-            slot.generation,
-            conn,
-            timeout,
-        )));
+        st.deadlines
+            .push(Reverse((at, slot.key, slot.generation, conn, timeout)));
         // Entries of finished transfers are dropped lazily; keep the heap near the live set.
         if st.deadlines.len() > 2 * st.inflight.len() + 1024 {
             let State {
@@ -789,11 +786,26 @@ impl Inner {
             else {
                 return;
             };
-            if at > now {
-                return;
+            let id = SlotId { key, generation };
+            match at {
+                None => {
+                    // Armed while the clock was stopped: stamp it now (if still live).
+                    st.deadlines.pop();
+                    if st.inflight.contains(id) {
+                        st.deadlines.push(Reverse((
+                            Some(now + timeout),
+                            key,
+                            generation,
+                            conn,
+                            timeout,
+                        )));
+                    }
+                    continue;
+                }
+                Some(at) if at > now => return,
+                Some(_) => {}
             }
             st.deadlines.pop();
-            let id = SlotId { key, generation };
             if !st.inflight.expire(id, TransferError::Timeout(timeout)) {
                 continue;
             }
@@ -1223,7 +1235,10 @@ async fn progress(inner: Rc<Inner>) {
     let mut iteration = 0u32;
     loop {
         iteration = iteration.wrapping_add(1);
-        if iteration.is_multiple_of(32) || inner.clock.get().is_none() {
+        // Read the clock only every few iterations (clock reads are syscalls on some clock
+        // sources); event-mode iterations are slow anyway.
+        let tick = iteration.is_multiple_of(32) || inner.cfg.poll_mode == PollMode::Event;
+        if tick {
             inner.clock.set(Some(Instant::now()));
         }
         let n = match inner.cq.poll(&mut wcs) {
@@ -1250,7 +1265,7 @@ async fn progress(inner: Rc<Inner>) {
         inner
             .quiet_polls
             .set(inner.quiet_polls.get().saturating_add(1));
-        if !inner.state.borrow().deadlines.is_empty() {
+        if tick && !inner.state.borrow().deadlines.is_empty() {
             if let Some(now) = inner.clock.get() {
                 inner.expire_deadlines(now);
             }
@@ -1276,6 +1291,14 @@ async fn progress(inner: Rc<Inner>) {
             // Park until a submitter kicks us: no CPU while idle.
             bump(&inner.counters, |c| c.parks += 1);
             inner.clock.set(None);
+            iteration = 0;
+            {
+                // Nothing is in flight: no deadline can matter any more.
+                let mut st = inner.state.borrow_mut();
+                if st.inflight.is_empty() {
+                    st.deadlines.clear();
+                }
+            }
             poll_fn(|cx| {
                 if inner.kick.replace(false) {
                     Poll::Ready(())

@@ -322,12 +322,21 @@ async fn bw_run(
     let next = Rc::new(Cell::new(0u64));
     let times = Rc::new(RefCell::new(Vec::with_capacity(iters as usize)));
     let deadline = a.duration.map(|d| t0 + d);
+    // TSC clock for the stamps (as perftest uses get_cycles): std's clock is a syscall on some
+    // clock sources (the HPET of an emulated guest).
+    let q0 = quanta::Instant::now()
+        .checked_sub(t0.elapsed())
+        .unwrap_or_else(quanta::Instant::now);
     let op = match a.test {
         Test::ReadBw => Op::Read,
         _ => Op::Write,
     };
+    // Stamp often enough that every tenth of the run has stamps (peak bandwidth needs them),
+    // at most every 16 transfers per task.
+    let tasks_n = concurrency.min(transfers.max(1));
+    let stamp_every = (transfers / (10 * tasks_n)).clamp(1, 16) * post_list;
     let mut tasks = Vec::new();
-    for _ in 0..concurrency.min(transfers.max(1)) {
+    for _ in 0..tasks_n {
         let (e, next, times) = (c.engine.clone(), Rc::clone(&next), Rc::clone(&times));
         let conns = c.conns.clone();
         let region = c.region.clone();
@@ -359,7 +368,7 @@ async fn bw_run(
                     if unstamped > 0 {
                         times
                             .borrow_mut()
-                            .push((t0.elapsed().as_secs_f64(), unstamped));
+                            .push((q0.elapsed().as_secs_f64(), unstamped));
                     }
                     return Ok::<(), String>(());
                 }
@@ -379,10 +388,10 @@ async fn bw_run(
                     .map_err(s)?;
                 }
                 unstamped += post_list;
-                if unstamped >= 16 * post_list {
+                if unstamped >= stamp_every {
                     times
                         .borrow_mut()
-                        .push((t0.elapsed().as_secs_f64(), unstamped));
+                        .push((q0.elapsed().as_secs_f64(), unstamped));
                     unstamped = 0;
                 }
             }
@@ -505,7 +514,7 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                 match a.test {
                     Test::ReadLat => {
                         for i in 0..total {
-                            let t = Instant::now();
+                            let t = quanta::Instant::now();
                             c.engine.read(conn, &local, &remote).await.map_err(s)?;
                             if i >= warm {
                                 samples.push(t.elapsed());
@@ -517,7 +526,7 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                         c.oob.send(&format!("PING {size} {total}"))?;
                         let payload = vec![0xa5u8; size as usize];
                         for i in 0..total {
-                            let t = Instant::now();
+                            let t = quanta::Instant::now();
                             if a.test == Test::SendLat {
                                 c.engine.send(conn, &payload, None).await.map_err(s)?;
                             } else {
@@ -542,7 +551,7 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                             // One `.await` of a WRITE: completes when the ACK is back (one round trip).
                             let mut one = Vec::with_capacity(a.iters as usize);
                             for i in 0..total {
-                                let t = Instant::now();
+                                let t = quanta::Instant::now();
                                 c.engine.write(conn, &local, &remote).await.map_err(s)?;
                                 if i >= warm {
                                     one.push(t.elapsed());
