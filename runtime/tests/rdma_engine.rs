@@ -54,6 +54,18 @@ fn start_pool(test: &str, cfg: &EngineConfig, cpus: &[usize]) -> Option<EnginePo
     require_or_skip(test, || EnginePool::start(cfg, cpus, DEFAULT_IO_MEMORY))
 }
 
+/// One engine on CPU 0 connected to a fresh peer process (or `None`: skipped).
+fn connected_pool(
+    test: &str,
+    cfg: &EngineConfig,
+) -> Option<(EnginePool, EngineHandle, Peer, ConnId)> {
+    let pool = start_pool(test, cfg, &[0])?;
+    let h = pool.handles()[0].clone();
+    let mut peer = Peer::spawn("target");
+    let conn = peer.connect(&h);
+    Some((pool, h, peer, conn))
+}
+
 /// The peer process as seen from the test.
 struct Peer {
     child: std::process::Child,
@@ -132,16 +144,13 @@ fn region_sum(region: &Region, n: u64, slot: fn(u64) -> u64) -> u64 {
 #[test]
 fn scattered_write_and_read_of_1_100_10k_100k_descriptors() {
     let cfg = config();
-    let Some(pool) = start_pool(
+    let Some((pool, h, mut peer, conn)) = connected_pool(
         "scattered_write_and_read_of_1_100_10k_100k_descriptors",
         &cfg,
-        &[0],
     ) else {
         return;
     };
-    let h = &pool.handles()[0];
-    let mut peer = Peer::spawn("target");
-    let conn = peer.connect(h);
+    let h = &h;
     let region = block_on(h.register(REGION)).expect("register");
     for n in [1u64, 100, 10_000, 100_000] {
         // WRITE: scattered local blocks -> scattered remote blocks.
@@ -401,16 +410,12 @@ fn a_stalled_peer_ends_in_the_timeout_error_not_a_hang() {
     cfg.connect.timeout = 20; // ~4.3 s per transport retry: the transfer deadline comes first
     cfg.connect.retry_cnt = 7;
     cfg.transfer_timeout = Duration::from_secs(1);
-    let Some(pool) = start_pool(
-        "a_stalled_peer_ends_in_the_timeout_error_not_a_hang",
-        &cfg,
-        &[0],
-    ) else {
+    let Some((pool, h, peer, conn)) =
+        connected_pool("a_stalled_peer_ends_in_the_timeout_error_not_a_hang", &cfg)
+    else {
         return;
     };
-    let h = &pool.handles()[0];
-    let mut peer = Peer::spawn("target");
-    let conn = peer.connect(h);
+    let h = &h;
     let region = block_on(h.register(1 << 20)).expect("register");
     let mut local = LocalDescList::new();
     local.push(&region, 0, 1 << 20);
@@ -440,12 +445,11 @@ fn a_dead_peer_gives_remote_disconnect() {
     cfg.connect.timeout = 10; // ~4 ms per retry
     cfg.connect.retry_cnt = 2;
     cfg.transfer_timeout = Duration::from_secs(20);
-    let Some(pool) = start_pool("a_dead_peer_gives_remote_disconnect", &cfg, &[0]) else {
+    let Some((pool, h, peer, conn)) = connected_pool("a_dead_peer_gives_remote_disconnect", &cfg)
+    else {
         return;
     };
-    let h = &pool.handles()[0];
-    let mut peer = Peer::spawn("target");
-    let conn = peer.connect(h);
+    let h = &h;
     let region = block_on(h.register(1 << 20)).expect("register");
     let mut local = LocalDescList::new();
     local.push(&region, 0, 65536);
@@ -473,16 +477,12 @@ fn a_dead_peer_gives_remote_disconnect() {
 #[test]
 fn messages_and_write_notifications_reach_the_peer() {
     let cfg = config();
-    let Some(pool) = start_pool(
-        "messages_and_write_notifications_reach_the_peer",
-        &cfg,
-        &[0],
-    ) else {
+    let Some((pool, h, mut peer, conn)) =
+        connected_pool("messages_and_write_notifications_reach_the_peer", &cfg)
+    else {
         return;
     };
-    let h = &pool.handles()[0];
-    let mut peer = Peer::spawn("target");
-    let conn = peer.connect(h);
+    let h = &h;
     block_on(h.send(conn, b"x".to_vec(), None)).expect("send 1");
     block_on(h.send(conn, vec![7u8; 100], Some(0x1234))).expect("send 2");
     block_on(h.send(conn, vec![9u8; 4096], None)).expect("send 3");
@@ -597,16 +597,13 @@ fn bad_descriptors_are_typed_errors_and_nothing_is_posted() {
 fn event_mode_engines_complete_transfers_without_spinning() {
     let mut cfg = config();
     cfg.poll_mode = rixl_runtime::PollMode::Event;
-    let Some(pool) = start_pool(
+    let Some((pool, h, mut peer, conn)) = connected_pool(
         "event_mode_engines_complete_transfers_without_spinning",
         &cfg,
-        &[0],
     ) else {
         return;
     };
-    let h = &pool.handles()[0];
-    let mut peer = Peer::spawn("target");
-    let conn = peer.connect(h);
+    let h = &h;
     let region = block_on(h.register(REGION)).expect("register");
     let mut data = vec![0u8; REGION];
     fill(&mut data, 5);

@@ -227,34 +227,15 @@ impl SendBatch {
 
     /// Links the requests into a NULL-terminated list; returns its head.
     pub(crate) fn link(&mut self) -> Option<*mut sys::ibv_send_wr> {
-        let n = self.wrs.len();
-        if n == 0 {
-            return None;
-        }
-        let sge_base = self.sges.as_mut_ptr();
-        let wr_base = self.wrs.as_mut_ptr();
-        for (i, &(first, count, _)) in self.spans.iter().enumerate() {
-            let wr = &mut self.wrs[i];
-            wr.sg_list = if count == 0 {
-                std::ptr::null_mut()
-            } else {
-                sge_base.wrapping_add(first)
-            };
-            wr.num_sge = i32::try_from(count).unwrap_or(i32::MAX);
-            wr.next = if i + 1 < n {
-                wr_base.wrapping_add(i + 1)
-            } else {
-                std::ptr::null_mut()
-            };
-        }
-        Some(wr_base)
+        link_list(
+            &mut self.wrs,
+            &mut self.sges,
+            self.spans.iter().map(|&(f, c, _)| (f, c)),
+        )
     }
 
     pub(crate) fn index_of(&self, bad: *mut sys::ibv_send_wr) -> usize {
-        let base = self.wrs.as_ptr() as usize;
-        (bad as usize)
-            .checked_sub(base)
-            .map_or(0, |d| d / std::mem::size_of::<sys::ibv_send_wr>())
+        index_in(&self.wrs, bad)
     }
 }
 
@@ -272,6 +253,58 @@ fn sges_inside<B: Borrow<RegisteredBuffer>>(sges: &[sys::ibv_sge], buffers: &[B]
         }
     }
     Ok(())
+}
+
+/// The fields linking shared by `ibv_send_wr` and `ibv_recv_wr`.
+trait Linked: Sized {
+    fn set_links(&mut self, sg_list: *mut sys::ibv_sge, num_sge: i32, next: *mut Self);
+}
+
+impl Linked for sys::ibv_send_wr {
+    fn set_links(&mut self, sg_list: *mut sys::ibv_sge, num_sge: i32, next: *mut Self) {
+        (self.sg_list, self.num_sge, self.next) = (sg_list, num_sge, next);
+    }
+}
+
+impl Linked for sys::ibv_recv_wr {
+    fn set_links(&mut self, sg_list: *mut sys::ibv_sge, num_sge: i32, next: *mut Self) {
+        (self.sg_list, self.num_sge, self.next) = (sg_list, num_sge, next);
+    }
+}
+
+/// Points every request at its (first, count) entries and at the next request; returns the head.
+fn link_list<W: Linked>(
+    wrs: &mut [W],
+    sges: &mut [sys::ibv_sge],
+    spans: impl Iterator<Item = (usize, usize)>,
+) -> Option<*mut W> {
+    let n = wrs.len();
+    if n == 0 {
+        return None;
+    }
+    let sge_base = sges.as_mut_ptr();
+    let wr_base = wrs.as_mut_ptr();
+    for (i, (first, count)) in spans.enumerate() {
+        let sg = if count == 0 {
+            std::ptr::null_mut()
+        } else {
+            sge_base.wrapping_add(first)
+        };
+        let next = if i + 1 < n {
+            wr_base.wrapping_add(i + 1)
+        } else {
+            std::ptr::null_mut()
+        };
+        wrs[i].set_links(sg, i32::try_from(count).unwrap_or(i32::MAX), next);
+    }
+    Some(wr_base)
+}
+
+/// Index of `bad` (a pointer the provider returned) in `wrs`.
+fn index_in<W>(wrs: &[W], bad: *mut W) -> usize {
+    (bad as usize)
+        .checked_sub(wrs.as_ptr() as usize)
+        .map_or(0, |d| d / std::mem::size_of::<W>())
 }
 
 /// A reusable list of receive work requests.
@@ -343,34 +376,11 @@ impl RecvBatch {
     }
 
     pub(crate) fn link(&mut self) -> Option<*mut sys::ibv_recv_wr> {
-        let n = self.wrs.len();
-        if n == 0 {
-            return None;
-        }
-        let sge_base = self.sges.as_mut_ptr();
-        let wr_base = self.wrs.as_mut_ptr();
-        for (i, &(first, count)) in self.spans.iter().enumerate() {
-            let wr = &mut self.wrs[i];
-            wr.sg_list = if count == 0 {
-                std::ptr::null_mut()
-            } else {
-                sge_base.wrapping_add(first)
-            };
-            wr.num_sge = i32::try_from(count).unwrap_or(i32::MAX);
-            wr.next = if i + 1 < n {
-                wr_base.wrapping_add(i + 1)
-            } else {
-                std::ptr::null_mut()
-            };
-        }
-        Some(wr_base)
+        link_list(&mut self.wrs, &mut self.sges, self.spans.iter().copied())
     }
 
     pub(crate) fn index_of(&self, bad: *mut sys::ibv_recv_wr) -> usize {
-        let base = self.wrs.as_ptr() as usize;
-        (bad as usize)
-            .checked_sub(base)
-            .map_or(0, |d| d / std::mem::size_of::<sys::ibv_recv_wr>())
+        index_in(&self.wrs, bad)
     }
 }
 
