@@ -76,7 +76,11 @@ def await_latency(rixl, size, iters):
 
 def svg_plot(rows, path):
     """Bandwidth vs message size, both tools (log2 x axis), as a small hand-written SVG."""
-    pts = [r for r in rows if r["test"] == "write_bw" and r["post_list"] == 1]
+    pts = {}
+    for r in rows:
+        if r["test"] == "write_bw" and r["post_list"] == 1:
+            pts.setdefault(r["size"], r)  # one point per size (the bandwidth run's)
+    pts = list(pts.values())
     if not pts:
         return
     W, H, L, B = 720, 420, 70, 50
@@ -114,11 +118,19 @@ def svg_plot(rows, path):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rixl", required=True)
+    ap.add_argument("--rixl")
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="fewer sizes and iterations (smoke run)")
+    ap.add_argument("--from-csv", help="only redraw the plot from an earlier compare.csv")
     a = ap.parse_args()
+    if a.from_csv:
+        with open(a.from_csv) as f:
+            rows = [{"test": r["test"], "size": int(r["size"]), "post_list": int(r["post_list"]),
+                     "perftest": float(r["perftest"]), "rixl": float(r["rixl"])}
+                    for r in csv.DictReader(f) if r["test"].endswith("_bw")]
+        svg_plot(rows, os.path.join(a.out, "bandwidth.svg"))
+        return
     os.makedirs(a.out, exist_ok=True)
     budget = (32 << 20) if a.quick else (96 << 20)
     bw_sizes = [4096, 65536, 1 << 20] if a.quick else [4096, 16384, 65536, 262144, 1 << 20, 4 << 20, 8 << 20]
