@@ -1,7 +1,10 @@
 //! `rixl`: async data movement for LLM inference clusters.
 //!
-//! This facade re-exports the workspace crates; the `Agent` API builds on the runtime.
+//! The [`agent::Agent`] is what a serving engine programs against; the workspace crates are
+//! re-exported for lower-level use.
 #![forbid(unsafe_code)]
+
+pub mod agent;
 
 pub use rixl_gpudirect as gpudirect;
 pub use rixl_nvlink as nvlink;

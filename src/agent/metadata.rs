@@ -1,0 +1,348 @@
+//! Agent metadata: what a peer needs to reach this agent's memory. A versioned, checksummed
+//! binary format, validated on load: truncated, forged or oversized blobs are clean errors.
+//!
+//! ```text
+//! "RIXLMD" | version u16 | total length u32 | name (u16 len + utf8) | generation u64
+//!          | side-channel address (u16 len + utf8) | region count u32
+//!          | regions: id u64, addr u64, len u64, rkey u32, kind u8
+//!          | FNV-1a 64 of everything before
+//! ```
+
+/// Current format version.
+pub const VERSION: u16 = 1;
+const MAGIC: &[u8; 6] = b"RIXLMD";
+/// Largest blob accepted.
+pub const MAX_BLOB: usize = 64 << 20;
+const MAX_NAME: usize = 256;
+const REGION_BYTES: usize = 8 + 8 + 8 + 4 + 1;
+
+/// Memory kind of a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum MemKind {
+    /// Host memory.
+    Dram,
+}
+
+/// One exported region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RegionInfo {
+    /// Region id (stable for the registration's life).
+    pub id: u64,
+    /// Start address (iova).
+    pub addr: u64,
+    /// Length.
+    pub len: u64,
+    /// Remote key.
+    pub rkey: u32,
+    /// Memory kind.
+    pub kind: MemKind,
+}
+
+/// A peer's metadata.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AgentMetadata {
+    /// Agent name (unique in the cluster).
+    pub name: String,
+    /// Changes every time the agent restarts, so a re-joined peer is recognised.
+    pub generation: u64,
+    /// Where its side channel listens (`host:port`), or empty.
+    pub address: String,
+    /// Regions visible to the reader this blob was made for.
+    pub regions: Vec<RegionInfo>,
+}
+
+/// Why a blob was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum MetadataError {
+    /// Shorter than its header or its declared length.
+    #[error("metadata truncated: {0}")]
+    Truncated(&'static str),
+    /// Not a rixl metadata blob.
+    #[error("not rixl metadata (bad magic)")]
+    BadMagic,
+    /// Made by an incompatible version.
+    #[error("metadata version {0} is not supported (this build reads {VERSION})")]
+    IncompatibleVersion(u16),
+    /// The checksum does not match: corrupted or forged.
+    #[error("metadata checksum mismatch (corrupted or forged)")]
+    Checksum,
+    /// Larger than the limits.
+    #[error("metadata too large: {0}")]
+    TooLarge(String),
+    /// Structurally invalid.
+    #[error("invalid metadata: {0}")]
+    Invalid(String),
+}
+
+fn fnv(data: &[u8]) -> u64 {
+    data.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+fn put_str(out: &mut Vec<u8>, s: &str) {
+    out.extend_from_slice(&(s.len() as u16).to_be_bytes());
+    out.extend_from_slice(s.as_bytes());
+}
+
+impl AgentMetadata {
+    /// Encodes the blob.
+    ///
+    /// # Errors
+    /// [`MetadataError::TooLarge`] if a field exceeds the format's limits.
+    pub fn encode(&self) -> Result<Vec<u8>, MetadataError> {
+        if self.name.len() > MAX_NAME || self.address.len() > MAX_NAME {
+            return Err(MetadataError::TooLarge(
+                "name or address over 256 bytes".into(),
+            ));
+        }
+        let size = 6
+            + 2
+            + 4
+            + 2
+            + self.name.len()
+            + 8
+            + 2
+            + self.address.len()
+            + 4
+            + self.regions.len() * REGION_BYTES
+            + 8;
+        if size > MAX_BLOB {
+            return Err(MetadataError::TooLarge(format!("{size} bytes")));
+        }
+        let mut out = Vec::with_capacity(size);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&VERSION.to_be_bytes());
+        out.extend_from_slice(&(size as u32).to_be_bytes());
+        put_str(&mut out, &self.name);
+        out.extend_from_slice(&self.generation.to_be_bytes());
+        put_str(&mut out, &self.address);
+        out.extend_from_slice(&(self.regions.len() as u32).to_be_bytes());
+        for r in &self.regions {
+            out.extend_from_slice(&r.id.to_be_bytes());
+            out.extend_from_slice(&r.addr.to_be_bytes());
+            out.extend_from_slice(&r.len.to_be_bytes());
+            out.extend_from_slice(&r.rkey.to_be_bytes());
+            out.push(match r.kind {
+                MemKind::Dram => 0,
+            });
+        }
+        let sum = fnv(&out);
+        out.extend_from_slice(&sum.to_be_bytes());
+        debug_assert_eq!(out.len(), size);
+        Ok(out)
+    }
+
+    /// Decodes and validates a blob.
+    ///
+    /// # Errors
+    /// A [`MetadataError`] naming what is wrong.
+    pub fn decode(b: &[u8]) -> Result<Self, MetadataError> {
+        if b.len() > MAX_BLOB {
+            return Err(MetadataError::TooLarge(format!("{} bytes", b.len())));
+        }
+        if b.len() < 12 {
+            return Err(MetadataError::Truncated("header"));
+        }
+        if &b[..6] != MAGIC {
+            return Err(MetadataError::BadMagic);
+        }
+        let version = u16::from_be_bytes([b[6], b[7]]);
+        if version != VERSION {
+            return Err(MetadataError::IncompatibleVersion(version));
+        }
+        let total = u32::from_be_bytes([b[8], b[9], b[10], b[11]]) as usize;
+        if b.len() < total {
+            return Err(MetadataError::Truncated("shorter than its declared length"));
+        }
+        if b.len() > total || total < 12 + 8 {
+            return Err(MetadataError::Invalid(format!(
+                "declared length {total}, got {}",
+                b.len()
+            )));
+        }
+        let (body, sum) = b.split_at(total - 8);
+        if fnv(body)
+            != u64::from_be_bytes(
+                sum.try_into()
+                    .map_err(|_| MetadataError::Truncated("checksum"))?,
+            )
+        {
+            return Err(MetadataError::Checksum);
+        }
+        let mut r = Reader { b: body, at: 12 };
+        let name = r.string()?;
+        if name.is_empty() {
+            return Err(MetadataError::Invalid("empty agent name".into()));
+        }
+        let generation = r.u64()?;
+        let address = r.string()?;
+        let count = r.u32()? as usize;
+        if count.saturating_mul(REGION_BYTES) != body.len() - r.at {
+            return Err(MetadataError::Invalid(format!(
+                "{count} regions do not fit the blob"
+            )));
+        }
+        let mut regions = Vec::with_capacity(count);
+        for _ in 0..count {
+            let (id, addr, len, rkey) = (r.u64()?, r.u64()?, r.u64()?, r.u32()?);
+            let kind = match r.u8()? {
+                0 => MemKind::Dram,
+                k => return Err(MetadataError::Invalid(format!("memory kind {k}"))),
+            };
+            if len == 0 || addr.checked_add(len).is_none() {
+                return Err(MetadataError::Invalid(format!("region {id}: bad range")));
+            }
+            regions.push(RegionInfo {
+                id,
+                addr,
+                len,
+                rkey,
+                kind,
+            });
+        }
+        Ok(AgentMetadata {
+            name,
+            generation,
+            address,
+            regions,
+        })
+    }
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl Reader<'_> {
+    fn take(&mut self, n: usize) -> Result<&[u8], MetadataError> {
+        let s = self
+            .b
+            .get(self.at..self.at + n)
+            .ok_or(MetadataError::Truncated("field"))?;
+        self.at += n;
+        Ok(s)
+    }
+    fn u8(&mut self) -> Result<u8, MetadataError> {
+        Ok(self.take(1)?[0])
+    }
+    fn u32(&mut self) -> Result<u32, MetadataError> {
+        Ok(u32::from_be_bytes(
+            self.take(4)?
+                .try_into()
+                .map_err(|_| MetadataError::Truncated("u32"))?,
+        ))
+    }
+    fn u64(&mut self) -> Result<u64, MetadataError> {
+        Ok(u64::from_be_bytes(
+            self.take(8)?
+                .try_into()
+                .map_err(|_| MetadataError::Truncated("u64"))?,
+        ))
+    }
+    fn string(&mut self) -> Result<String, MetadataError> {
+        let n = u16::from_be_bytes(
+            self.take(2)?
+                .try_into()
+                .map_err(|_| MetadataError::Truncated("len"))?,
+        ) as usize;
+        if n > MAX_NAME {
+            return Err(MetadataError::TooLarge(format!("string of {n} bytes")));
+        }
+        String::from_utf8(self.take(n)?.to_vec())
+            .map_err(|_| MetadataError::Invalid("non-UTF-8 string".into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> AgentMetadata {
+        AgentMetadata {
+            name: "prefill-0".into(),
+            generation: 0x1122_3344,
+            address: "10.0.0.1:5555".into(),
+            regions: (0..3)
+                .map(|i| RegionInfo {
+                    id: i,
+                    addr: 0x7f00_0000_0000 + i * (1 << 20),
+                    len: 1 << 20,
+                    rkey: 0x100 + i as u32,
+                    kind: MemKind::Dram,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn round_trips() {
+        let m = sample();
+        assert_eq!(
+            AgentMetadata::decode(&m.encode().expect("encode")).expect("decode"),
+            m
+        );
+        let empty = AgentMetadata {
+            regions: vec![],
+            address: String::new(),
+            ..sample()
+        };
+        assert_eq!(
+            AgentMetadata::decode(&empty.encode().expect("encode")).expect("decode"),
+            empty
+        );
+    }
+
+    #[test]
+    fn every_truncation_and_every_flipped_byte_is_rejected() {
+        let blob = sample().encode().expect("encode");
+        for cut in 0..blob.len() {
+            assert!(
+                AgentMetadata::decode(&blob[..cut]).is_err(),
+                "truncated at {cut} accepted"
+            );
+        }
+        for i in 0..blob.len() {
+            let mut forged = blob.clone();
+            forged[i] ^= 0x40;
+            assert!(
+                AgentMetadata::decode(&forged).is_err(),
+                "flipped byte {i} accepted"
+            );
+        }
+        let mut longer = blob.clone();
+        longer.push(0);
+        assert!(AgentMetadata::decode(&longer).is_err());
+    }
+
+    #[test]
+    fn typed_errors() {
+        let blob = sample().encode().expect("encode");
+        assert_eq!(
+            AgentMetadata::decode(b"GET / HTTP/1.1\r\n\r\n"),
+            Err(MetadataError::BadMagic)
+        );
+        let mut v2 = blob.clone();
+        v2[7] = 2;
+        assert_eq!(
+            AgentMetadata::decode(&v2),
+            Err(MetadataError::IncompatibleVersion(2))
+        );
+        let mut forged = blob.clone();
+        let n = forged.len();
+        forged[n - 20] ^= 1; // inside the last region's fields
+        assert_eq!(AgentMetadata::decode(&forged), Err(MetadataError::Checksum));
+        assert!(matches!(
+            AgentMetadata::decode(&blob[..blob.len() - 1]),
+            Err(MetadataError::Truncated(_))
+        ));
+        let long = AgentMetadata {
+            name: "x".repeat(300),
+            ..sample()
+        };
+        assert!(matches!(long.encode(), Err(MetadataError::TooLarge(_))));
+    }
+}

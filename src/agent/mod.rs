@@ -1,0 +1,497 @@
+//! The `Agent`: what a serving engine programs against (NIXL's northbound semantics, async and
+//! typed). It owns an engine pool, memory registrations with export scoping, peers' metadata,
+//! lazily made connections, and a notification stream.
+//!
+//! This is the first part of the agent: DRAM registrations, versioned metadata with per-peer
+//! scoping, a TCP side channel (metadata fetch and connection set-up), transfers addressed by the
+//! peer's region ids (validated before posting), and notifications. A central store (etcd),
+//! prepared index-based requests and the VRAM/FILE kinds build on it.
+
+pub mod metadata;
+mod sidechannel;
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use futures_channel::mpsc;
+
+use crate::runtime::{
+    ConnId, EngineConfig, EngineHandle, EnginePool, LocalDescList, Message, Op, Region, RemoteDesc,
+    RemoteDescList, RuntimeError, TransferError, TransferOptions, TransferStats, DEFAULT_IO_MEMORY,
+};
+use metadata::{AgentMetadata, MemKind, MetadataError, RegionInfo};
+
+/// Errors of the agent.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AgentError {
+    /// The engine failed to start or a control operation failed.
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    /// A transfer failed.
+    #[error(transparent)]
+    Transfer(#[from] TransferError),
+    /// Metadata was rejected.
+    #[error(transparent)]
+    Metadata(#[from] MetadataError),
+    /// No metadata of this peer is loaded (never loaded, or invalidated).
+    #[error("unknown peer {0:?}")]
+    UnknownPeer(String),
+    /// The peer's metadata has no such region (or does not grant it to us).
+    #[error("peer {peer:?} has no region {region} visible to us")]
+    UnknownRegion {
+        /// The peer.
+        peer: String,
+        /// The region id.
+        region: u64,
+    },
+    /// A remote descriptor reaches outside the peer's region.
+    #[error("remote descriptor {index}: offset {offset} + length {len} exceeds region {region} of {region_len} bytes")]
+    RemoteOutOfRange {
+        /// Position in the list.
+        index: usize,
+        /// Region id.
+        region: u64,
+        /// Offset.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// Region length.
+        region_len: u64,
+    },
+    /// The side channel failed.
+    #[error("side channel: {0}")]
+    SideChannel(String),
+    /// A notification is larger than the engine's message size.
+    #[error("notification of {0} bytes exceeds the message size")]
+    NotificationTooLarge(usize),
+}
+
+/// Who may see a registration in this agent's metadata.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Visibility {
+    /// Every peer.
+    All,
+    /// Only these agents: others never receive its key from our metadata.
+    Only(Vec<String>),
+}
+
+impl Visibility {
+    fn allows(&self, reader: &str) -> bool {
+        match self {
+            Visibility::All => true,
+            Visibility::Only(names) => names.iter().any(|n| n == reader),
+        }
+    }
+}
+
+/// Agent configuration.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct AgentConfig {
+    /// The engine's configuration.
+    pub engine: EngineConfig,
+    /// CPU of the agent's engine.
+    pub cpu: usize,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        AgentConfig {
+            engine: EngineConfig::from_env(),
+            cpu: 0,
+        }
+    }
+}
+
+/// A remote descriptor in a peer's terms: `len` bytes at `offset` of its region `region`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteRef {
+    /// The peer's region id (from its metadata).
+    pub region: u64,
+    /// Offset into the region.
+    pub offset: u64,
+    /// Length.
+    pub len: u64,
+}
+
+struct Reg {
+    region: Region,
+    visibility: Visibility,
+}
+
+#[derive(Default)]
+struct PeerState {
+    metadata: Option<AgentMetadata>,
+    regions: HashMap<u64, RegionInfo>,
+    conn: Option<ConnId>,
+}
+
+pub(crate) struct Inner {
+    name: String,
+    generation: u64,
+    engine: EngineHandle,
+    pool: Mutex<Option<EnginePool>>,
+    regs: Mutex<BTreeMap<u64, Reg>>,
+    next_id: AtomicU64,
+    peers: Mutex<HashMap<String, PeerState>>,
+    address: Mutex<String>,
+    notif_tx: mpsc::UnboundedSender<(String, Vec<u8>)>,
+    notif_rx: Mutex<Option<mpsc::UnboundedReceiver<(String, Vec<u8>)>>>,
+    stopped: AtomicBool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// A registration: memory of this agent, visible to peers as region `id()`. The memory stays
+/// registered while any handle or in-flight transfer uses it.
+#[derive(Clone)]
+pub struct Registration {
+    inner: Arc<RegInner>,
+}
+
+struct RegInner {
+    id: u64,
+    region: Region,
+    agent: Weak<Inner>,
+}
+
+impl Drop for RegInner {
+    fn drop(&mut self) {
+        if let Some(a) = self.agent.upgrade() {
+            lock(&a.regs).remove(&self.id);
+        }
+    }
+}
+
+impl std::fmt::Debug for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registration")
+            .field("id", &self.inner.id)
+            .field("region", &self.inner.region)
+            .finish()
+    }
+}
+
+impl Registration {
+    /// The id peers use to address it.
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// The registered region (for local descriptor lists and data access).
+    pub fn region(&self) -> &Region {
+        &self.inner.region
+    }
+}
+
+/// The agent. `Send + Sync`; clone it freely.
+#[derive(Clone)]
+pub struct Agent {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent")
+            .field("name", &self.inner.name)
+            .finish()
+    }
+}
+
+impl Agent {
+    /// Starts an agent named `name` (unique in the cluster) with its engine.
+    ///
+    /// # Errors
+    /// [`AgentError::Runtime`] if the engine cannot start (no device, memlock, ...).
+    pub fn new(name: &str, cfg: AgentConfig) -> Result<Agent, AgentError> {
+        let pool = EnginePool::start(&cfg.engine, &[cfg.cpu], DEFAULT_IO_MEMORY)?;
+        let engine = pool.handles()[0].clone();
+        let (notif_tx, notif_rx) = mpsc::unbounded();
+        let generation = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64)
+            ^ u64::from(std::process::id());
+        Ok(Agent {
+            inner: Arc::new(Inner {
+                name: name.to_string(),
+                generation,
+                engine,
+                pool: Mutex::new(Some(pool)),
+                regs: Mutex::new(BTreeMap::new()),
+                next_id: AtomicU64::new(1),
+                peers: Mutex::new(HashMap::new()),
+                address: Mutex::new(String::new()),
+                notif_tx,
+                notif_rx: Mutex::new(Some(notif_rx)),
+                stopped: AtomicBool::new(false),
+            }),
+        })
+    }
+
+    /// The agent's name.
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// Registers `len` bytes of DRAM (zeroed), visible per `visibility`.
+    ///
+    /// # Errors
+    /// [`AgentError::Runtime`] if registration fails.
+    pub async fn register(
+        &self,
+        len: usize,
+        visibility: Visibility,
+    ) -> Result<Registration, AgentError> {
+        let region = self.inner.engine.register(len).await?;
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        lock(&self.inner.regs).insert(
+            id,
+            Reg {
+                region: region.clone(),
+                visibility,
+            },
+        );
+        Ok(Registration {
+            inner: Arc::new(RegInner {
+                id,
+                region,
+                agent: Arc::downgrade(&self.inner),
+            }),
+        })
+    }
+
+    /// This agent's metadata as `reader` may see it: regions scoped to other agents are left out,
+    /// so `reader` cannot obtain their keys from it.
+    ///
+    /// # Errors
+    /// [`AgentError::Metadata`] if it exceeds the format's limits.
+    pub fn local_metadata(&self, reader: &str) -> Result<Vec<u8>, AgentError> {
+        Ok(self.inner.metadata_for(reader).encode()?)
+    }
+
+    /// Loads a peer's metadata blob; returns the peer's name. A blob with a new generation (the
+    /// peer restarted) replaces the old one and drops the old connection.
+    ///
+    /// # Errors
+    /// [`AgentError::Metadata`] for a truncated, forged or incompatible blob.
+    pub fn load_remote_metadata(&self, blob: &[u8]) -> Result<String, AgentError> {
+        let md = AgentMetadata::decode(blob)?;
+        let name = md.name.clone();
+        let stale = {
+            let mut peers = lock(&self.inner.peers);
+            let p = peers.entry(name.clone()).or_default();
+            let rejoined = p
+                .metadata
+                .as_ref()
+                .is_some_and(|m| m.generation != md.generation);
+            p.regions = md.regions.iter().map(|r| (r.id, *r)).collect();
+            p.metadata = Some(md);
+            if rejoined {
+                p.conn.take()
+            } else {
+                None
+            }
+        };
+        if let Some(c) = stale {
+            let e = self.inner.engine.clone();
+            futures_lite::future::block_on(e.close_connection(c));
+        }
+        tracing::debug!(agent = %self.inner.name, peer = %name, "loaded remote metadata");
+        Ok(name)
+    }
+
+    /// Forgets a peer and closes its connection.
+    pub async fn invalidate_remote(&self, peer: &str) {
+        let conn = lock(&self.inner.peers).remove(peer).and_then(|p| p.conn);
+        if let Some(c) = conn {
+            self.inner.engine.close_connection(c).await;
+        }
+    }
+
+    /// Serves this agent's metadata and connection set-up on `addr` (a TCP side channel);
+    /// returns the bound address.
+    ///
+    /// # Errors
+    /// [`AgentError::SideChannel`] if it cannot listen.
+    pub fn listen(&self, addr: &str) -> Result<SocketAddr, AgentError> {
+        sidechannel::listen(&self.inner, addr)
+    }
+
+    /// Fetches a peer's metadata from its side channel and loads it; returns the peer's name.
+    ///
+    /// # Errors
+    /// [`AgentError::SideChannel`] or [`AgentError::Metadata`].
+    pub fn fetch_remote_metadata(&self, addr: &str) -> Result<String, AgentError> {
+        let blob = sidechannel::fetch_metadata(&self.inner.name, addr)?;
+        self.load_remote_metadata(&blob)
+    }
+
+    /// RDMA WRITE of `local` to the peer's regions.
+    ///
+    /// # Errors
+    /// [`AgentError::UnknownPeer`], [`AgentError::UnknownRegion`],
+    /// [`AgentError::RemoteOutOfRange`] (before anything is posted), or a transfer error.
+    pub async fn write(
+        &self,
+        peer: &str,
+        local: &LocalDescList,
+        remote: &[RemoteRef],
+    ) -> Result<TransferStats, AgentError> {
+        self.transfer(peer, Op::Write, local, remote, None).await
+    }
+
+    /// RDMA READ of the peer's regions into `local`.
+    ///
+    /// # Errors
+    /// As [`Self::write`].
+    pub async fn read(
+        &self,
+        peer: &str,
+        local: &LocalDescList,
+        remote: &[RemoteRef],
+    ) -> Result<TransferStats, AgentError> {
+        self.transfer(peer, Op::Read, local, remote, None).await
+    }
+
+    /// A READ or WRITE; with `notification`, the peer receives it (from its notification
+    /// stream) after every descriptor of the transfer has completed.
+    ///
+    /// # Errors
+    /// As [`Self::write`].
+    pub async fn transfer(
+        &self,
+        peer: &str,
+        op: Op,
+        local: &LocalDescList,
+        remote: &[RemoteRef],
+        notification: Option<&[u8]>,
+    ) -> Result<TransferStats, AgentError> {
+        let remote = self.inner.resolve(peer, remote)?;
+        let conn = sidechannel::ensure_connection(&self.inner, peer)?;
+        let st = self
+            .inner
+            .engine
+            .transfer(conn, op, local.clone(), remote, TransferOptions::default())
+            .await?;
+        if let Some(msg) = notification {
+            self.notify_on(conn, msg).await?;
+        }
+        Ok(st)
+    }
+
+    /// Sends a standalone notification to `peer` (NIXL's `genNotif`).
+    ///
+    /// # Errors
+    /// [`AgentError::UnknownPeer`], [`AgentError::NotificationTooLarge`], or a transfer error.
+    pub async fn notify(&self, peer: &str, msg: &[u8]) -> Result<(), AgentError> {
+        let conn = sidechannel::ensure_connection(&self.inner, peer)?;
+        self.notify_on(conn, msg).await
+    }
+
+    async fn notify_on(&self, conn: ConnId, msg: &[u8]) -> Result<(), AgentError> {
+        if msg.is_empty() || msg.len() > 4096 {
+            return Err(AgentError::NotificationTooLarge(msg.len()));
+        }
+        self.inner.engine.send(conn, msg.to_vec(), None).await?;
+        Ok(())
+    }
+
+    /// The stream of `(peer, message)` notifications received by this agent (taken once).
+    pub fn notifications(&self) -> Option<mpsc::UnboundedReceiver<(String, Vec<u8>)>> {
+        lock(&self.inner.notif_rx).take()
+    }
+
+    /// Stops the side channel and the engine.
+    pub fn shutdown(&self) {
+        self.inner.stopped.store(true, Ordering::SeqCst);
+        if let Some(p) = lock(&self.inner.pool).take() {
+            p.shutdown();
+        }
+    }
+}
+
+impl Inner {
+    fn metadata_for(&self, reader: &str) -> AgentMetadata {
+        let regions = lock(&self.regs)
+            .iter()
+            .filter(|(_, r)| r.visibility.allows(reader))
+            .map(|(&id, r)| RegionInfo {
+                id,
+                addr: r.region.addr(),
+                len: r.region.len(),
+                rkey: r.region.rkey(),
+                kind: MemKind::Dram,
+            })
+            .collect();
+        AgentMetadata {
+            name: self.name.clone(),
+            generation: self.generation,
+            address: lock(&self.address).clone(),
+            regions,
+        }
+    }
+
+    /// Maps a peer's region references to remote descriptors, checking ranges.
+    fn resolve(&self, peer: &str, remote: &[RemoteRef]) -> Result<RemoteDescList, AgentError> {
+        let peers = lock(&self.peers);
+        let p = peers
+            .get(peer)
+            .filter(|p| p.metadata.is_some())
+            .ok_or_else(|| AgentError::UnknownPeer(peer.to_string()))?;
+        let mut out = Vec::with_capacity(remote.len());
+        for (index, r) in remote.iter().enumerate() {
+            let info = p
+                .regions
+                .get(&r.region)
+                .ok_or_else(|| AgentError::UnknownRegion {
+                    peer: peer.to_string(),
+                    region: r.region,
+                })?;
+            match r.offset.checked_add(r.len) {
+                Some(end) if end <= info.len => {}
+                _ => {
+                    return Err(AgentError::RemoteOutOfRange {
+                        index,
+                        region: r.region,
+                        offset: r.offset,
+                        len: r.len,
+                        region_len: info.len,
+                    })
+                }
+            }
+            out.push(RemoteDesc {
+                addr: info.addr + r.offset,
+                len: r.len,
+                rkey: info.rkey,
+            });
+        }
+        Ok(RemoteDescList(out))
+    }
+
+    /// Delivers messages arriving on `conn` from `peer` to the notification stream until the
+    /// connection ends.
+    fn spawn_receiver(self: &Arc<Self>, peer: String, conn: ConnId) {
+        let engine = self.engine.clone();
+        let tx = self.notif_tx.clone();
+        std::thread::spawn(move || loop {
+            match futures_lite::future::block_on(engine.recv(conn)) {
+                Ok(Message::Data(d, _)) => {
+                    if tx.unbounded_send((peer.clone(), d)).is_err() {
+                        return;
+                    }
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    tracing::debug!(%peer, error = %e, "notification receiver ended");
+                    return;
+                }
+            }
+        });
+    }
+}

@@ -1,0 +1,174 @@
+//! The TCP side channel: a peer fetches our metadata (scoped for it) and sets up its connection.
+//! Text lines: `MD <requester>` → hex metadata; `CONNECT <requester> <endpoint hex>` → our
+//! endpoint hex (or `ERR <reason>`).
+
+use std::io::{BufRead, BufReader, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_lite::future::block_on;
+
+use super::{lock, AgentError, Inner};
+use crate::runtime::ConnId;
+use crate::verbs::Endpoint;
+
+const MAX_LINE: usize = 256 << 20;
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Result<Vec<u8>, AgentError> {
+    if !s.len().is_multiple_of(2) {
+        return Err(AgentError::SideChannel("odd hex length".into()));
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| {
+            u8::from_str_radix(&s[i..i + 2], 16)
+                .map_err(|e| AgentError::SideChannel(format!("bad hex: {e}")))
+        })
+        .collect()
+}
+
+fn sc(e: impl std::fmt::Display) -> AgentError {
+    AgentError::SideChannel(e.to_string())
+}
+
+fn read_line<R: BufRead>(r: &mut R) -> Result<String, AgentError> {
+    let mut l = String::new();
+    let n = std::io::Read::take(r, MAX_LINE as u64)
+        .read_line(&mut l)
+        .map_err(sc)?;
+    if n == 0 {
+        return Err(AgentError::SideChannel(
+            "peer closed the side channel".into(),
+        ));
+    }
+    Ok(l.trim_end().to_string())
+}
+
+fn connect(addr: &str) -> Result<TcpStream, AgentError> {
+    let s = TcpStream::connect(addr)
+        .map_err(|e| AgentError::SideChannel(format!("connect {addr}: {e}")))?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))
+        .map_err(sc)?;
+    s.set_nodelay(true).ok();
+    Ok(s)
+}
+
+pub(super) fn listen(inner: &Arc<Inner>, addr: &str) -> Result<SocketAddr, AgentError> {
+    let listener = TcpListener::bind(addr)
+        .map_err(|e| AgentError::SideChannel(format!("listen {addr}: {e}")))?;
+    let local = listener.local_addr().map_err(sc)?;
+    *lock(&inner.address) = local.to_string();
+    let weak = Arc::downgrade(inner);
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Some(inner) = weak.upgrade() else { return };
+            if inner.stopped.load(Ordering::SeqCst) {
+                return;
+            }
+            let Ok(stream) = stream else { continue };
+            let inner2 = Arc::clone(&inner);
+            std::thread::spawn(move || {
+                if let Err(e) = serve(&inner2, stream) {
+                    tracing::debug!(error = %e, "side-channel request failed");
+                }
+            });
+        }
+    });
+    tracing::info!(agent = %inner.name, %local, "side channel listening");
+    Ok(local)
+}
+
+fn serve(inner: &Arc<Inner>, stream: TcpStream) -> Result<(), AgentError> {
+    stream
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .map_err(sc)?;
+    let mut w = stream.try_clone().map_err(sc)?;
+    let mut r = BufReader::new(stream);
+    let line = read_line(&mut r)?;
+    let f: Vec<&str> = line.split(' ').collect();
+    let reply = match f.as_slice() {
+        ["MD", requester] => hex(&inner.metadata_for(requester).encode()?),
+        ["CONNECT", requester, ep] => match accept_connection(inner, requester, ep) {
+            Ok(mine) => hex(&mine.to_bytes()),
+            Err(e) => format!("ERR {e}"),
+        },
+        _ => "ERR unknown request".into(),
+    };
+    writeln!(w, "{reply}").map_err(sc)
+}
+
+/// A peer asked for a connection: make ours, connect it to theirs, start receiving its
+/// notifications.
+fn accept_connection(
+    inner: &Arc<Inner>,
+    requester: &str,
+    ep: &str,
+) -> Result<Endpoint, AgentError> {
+    let theirs = Endpoint::from_bytes(&unhex(ep)?).map_err(sc)?;
+    let (conn, mine) = block_on(inner.engine.prepare_connection())?;
+    block_on(inner.engine.complete_connection(conn, theirs))?;
+    let old = lock(&inner.peers)
+        .entry(requester.to_string())
+        .or_default()
+        .conn
+        .replace(conn);
+    if let Some(old) = old {
+        block_on(inner.engine.close_connection(old));
+    }
+    inner.spawn_receiver(requester.to_string(), conn);
+    Ok(mine)
+}
+
+pub(super) fn fetch_metadata(me: &str, addr: &str) -> Result<Vec<u8>, AgentError> {
+    let s = connect(addr)?;
+    let mut w = s.try_clone().map_err(sc)?;
+    writeln!(w, "MD {me}").map_err(sc)?;
+    let line = read_line(&mut BufReader::new(s))?;
+    if let Some(e) = line.strip_prefix("ERR ") {
+        return Err(AgentError::SideChannel(e.to_string()));
+    }
+    unhex(&line)
+}
+
+/// The connection to `peer`, made on first use through its side channel.
+pub(super) fn ensure_connection(inner: &Arc<Inner>, peer: &str) -> Result<ConnId, AgentError> {
+    let addr = {
+        let peers = lock(&inner.peers);
+        let p = peers
+            .get(peer)
+            .ok_or_else(|| AgentError::UnknownPeer(peer.to_string()))?;
+        if let Some(c) = p.conn {
+            return Ok(c);
+        }
+        p.metadata
+            .as_ref()
+            .map(|m| m.address.clone())
+            .filter(|a| !a.is_empty())
+            .ok_or_else(|| {
+                AgentError::SideChannel(format!("peer {peer} has no side-channel address"))
+            })?
+    };
+    let (conn, mine) = block_on(inner.engine.prepare_connection())?;
+    let s = connect(&addr)?;
+    let mut w = s.try_clone().map_err(sc)?;
+    writeln!(w, "CONNECT {} {}", inner.name, hex(&mine.to_bytes())).map_err(sc)?;
+    let line = read_line(&mut BufReader::new(s))?;
+    if let Some(e) = line.strip_prefix("ERR ") {
+        block_on(inner.engine.close_connection(conn));
+        return Err(AgentError::SideChannel(format!(
+            "{peer} refused the connection: {e}"
+        )));
+    }
+    let theirs = Endpoint::from_bytes(&unhex(&line)?).map_err(sc)?;
+    block_on(inner.engine.complete_connection(conn, theirs))?;
+    lock(&inner.peers).entry(peer.to_string()).or_default().conn = Some(conn);
+    inner.spawn_receiver(peer.to_string(), conn);
+    tracing::debug!(agent = %inner.name, %peer, "connected lazily");
+    Ok(conn)
+}
