@@ -69,6 +69,12 @@ pub enum AgentError {
     NotificationTooLarge(usize),
 }
 
+/// A notification: the sending agent's name and the message.
+pub type Notification = (String, Vec<u8>);
+
+/// The notification stream (a `futures` `Stream` of [`Notification`]s).
+pub type Notifications = mpsc::UnboundedReceiver<Notification>;
+
 /// Who may see a registration in this agent's metadata.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -139,8 +145,8 @@ pub(crate) struct Inner {
     next_id: AtomicU64,
     peers: Mutex<HashMap<String, PeerState>>,
     address: Mutex<String>,
-    notif_tx: mpsc::UnboundedSender<(String, Vec<u8>)>,
-    notif_rx: Mutex<Option<mpsc::UnboundedReceiver<(String, Vec<u8>)>>>,
+    notif_tx: mpsc::UnboundedSender<Notification>,
+    notif_rx: Mutex<Option<Notifications>>,
     stopped: AtomicBool,
 }
 
@@ -403,7 +409,7 @@ impl Agent {
     }
 
     /// The stream of `(peer, message)` notifications received by this agent (taken once).
-    pub fn notifications(&self) -> Option<mpsc::UnboundedReceiver<(String, Vec<u8>)>> {
+    pub fn notifications(&self) -> Option<Notifications> {
         lock(&self.inner.notif_rx).take()
     }
 
