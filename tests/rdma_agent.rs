@@ -243,6 +243,67 @@ fn a_killed_peer_ends_the_transfer_with_an_error_and_a_rejoined_peer_works() {
     decode.shutdown();
 }
 
+#[test]
+fn the_kv_transfer_example_runs_as_two_processes() {
+    if agent_device().is_none() {
+        return;
+    }
+    // Examples are built next to the test binaries (target/<profile>/examples).
+    let exe = std::env::current_exe().expect("exe");
+    let example = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .map(|p| p.join("examples/kv_transfer"))
+        .expect("examples dir");
+    assert!(
+        example.exists(),
+        "build the example first: {}",
+        example.display()
+    );
+    let shape = ["--layers", "4", "--blocks", "32", "--requests", "2"];
+    let mut prefill = std::process::Command::new(&example)
+        .args(["prefill", "--listen", "127.0.0.1:7311"])
+        .args(shape)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("prefill");
+    let decode = std::process::Command::new(&example)
+        .args([
+            "decode",
+            "--prefill",
+            "127.0.0.1:7311",
+            "--per-request",
+            "8",
+        ])
+        .args(shape)
+        .output()
+        .expect("decode");
+    let pst = prefill.wait().expect("prefill exit");
+    let mut pout = String::new();
+    std::io::Read::read_to_string(&mut prefill.stdout.take().expect("stdout"), &mut pout)
+        .expect("read");
+    let dout = String::from_utf8_lossy(&decode.stdout);
+    assert!(
+        decode.status.success(),
+        "decode failed: {}",
+        String::from_utf8_lossy(&decode.stderr)
+    );
+    assert!(pst.success(), "prefill failed");
+    assert_eq!(
+        dout.matches("checksums verified, prefill notified").count(),
+        2,
+        "{dout}"
+    );
+    assert_eq!(pout.matches("decode finished").count(), 2, "{pout}");
+    report(dout.lines().last().unwrap_or_default());
+}
+
+fn agent_device() -> Option<()> {
+    require_or_skip("kv_transfer example", || {
+        rixl::verbs::DeviceList::new().and_then(|l| l.find(None).map(|_| ()))
+    })
+}
+
 /// The prefill agent: exports a patterned KV region and a region scoped to another agent.
 #[test]
 #[ignore = "peer process entry point; spawned by the agent tests"]

@@ -64,6 +64,17 @@ pub enum AgentError {
     /// The side channel failed.
     #[error("side channel: {0}")]
     SideChannel(String),
+    /// An index selects no entry of a prepared list.
+    #[error("index {index} is out of a prepared list of {len} entries")]
+    BadIndex {
+        /// The index.
+        index: usize,
+        /// The list's length.
+        len: usize,
+    },
+    /// A prepared remote list was made from metadata the peer has since replaced (it re-joined).
+    #[error("prepared list for {0:?} is stale: the peer's metadata changed")]
+    StaleMetadata(String),
     /// A notification is larger than the engine's message size.
     #[error("notification of {0} bytes exceeds the message size")]
     NotificationTooLarge(usize),
@@ -74,6 +85,74 @@ pub type Notification = (String, Vec<u8>);
 
 /// The notification stream (a `futures` `Stream` of [`Notification`]s).
 pub type Notifications = mpsc::UnboundedReceiver<Notification>;
+
+/// Local descriptors prepared once; requests select entries by index (NIXL's prep + make).
+#[derive(Debug, Clone, Default)]
+pub struct PreparedLocal {
+    list: LocalDescList,
+}
+
+impl PreparedLocal {
+    /// Appends `len` bytes at `offset` of `reg`.
+    pub fn push(&mut self, reg: &Registration, offset: u64, len: u64) {
+        self.list.push(reg.region(), offset, len);
+    }
+
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    fn select(&self, idx: &[usize]) -> Result<LocalDescList, AgentError> {
+        let (descs, regions) = (self.list.descs(), self.list.regions());
+        let mut out = LocalDescList::with_capacity(idx.len());
+        for &i in idx {
+            let d = descs.get(i).ok_or(AgentError::BadIndex {
+                index: i,
+                len: descs.len(),
+            })?;
+            out.push(&regions[d.region as usize], d.offset, d.len);
+        }
+        Ok(out)
+    }
+}
+
+/// A peer's descriptors, resolved and range-checked once against its metadata.
+#[derive(Debug, Clone)]
+pub struct PreparedRemote {
+    peer: String,
+    generation: u64,
+    descs: Vec<RemoteDesc>,
+}
+
+impl PreparedRemote {
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.descs.len()
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.descs.is_empty()
+    }
+
+    fn select(&self, idx: &[usize]) -> Result<RemoteDescList, AgentError> {
+        idx.iter()
+            .map(|&i| {
+                self.descs.get(i).copied().ok_or(AgentError::BadIndex {
+                    index: i,
+                    len: self.descs.len(),
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(RemoteDescList)
+    }
+}
 
 /// Who may see a registration in this agent's metadata.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -391,6 +470,55 @@ impl Agent {
         Ok(st)
     }
 
+    /// Resolves and checks `remote` against `peer`'s metadata once, for index-based requests.
+    ///
+    /// # Errors
+    /// As the checks of [`Self::write`].
+    pub fn prepare_remote(
+        &self,
+        peer: &str,
+        remote: &[RemoteRef],
+    ) -> Result<PreparedRemote, AgentError> {
+        let descs = self.inner.resolve(peer, remote)?.0;
+        let generation = self.inner.peer_generation(peer)?;
+        Ok(PreparedRemote {
+            peer: peer.to_string(),
+            generation,
+            descs,
+        })
+    }
+
+    /// A transfer made from index selections of prepared lists (the two selections pair up in
+    /// order and must describe the same total length).
+    ///
+    /// # Errors
+    /// [`AgentError::BadIndex`], [`AgentError::StaleMetadata`], or as [`Self::transfer`].
+    pub async fn transfer_indices(
+        &self,
+        op: Op,
+        local: &PreparedLocal,
+        local_idx: &[usize],
+        remote: &PreparedRemote,
+        remote_idx: &[usize],
+        notification: Option<&[u8]>,
+    ) -> Result<TransferStats, AgentError> {
+        if self.inner.peer_generation(&remote.peer)? != remote.generation {
+            return Err(AgentError::StaleMetadata(remote.peer.clone()));
+        }
+        let l = local.select(local_idx)?;
+        let r = remote.select(remote_idx)?;
+        let conn = sidechannel::ensure_connection(&self.inner, &remote.peer)?;
+        let st = self
+            .inner
+            .engine
+            .transfer(conn, op, l, r, TransferOptions::default())
+            .await?;
+        if let Some(msg) = notification {
+            self.notify_on(conn, msg).await?;
+        }
+        Ok(st)
+    }
+
     /// Sends a standalone notification to `peer` (NIXL's `genNotif`).
     ///
     /// # Errors
@@ -441,6 +569,13 @@ impl Inner {
             address: lock(&self.address).clone(),
             regions,
         }
+    }
+
+    fn peer_generation(&self, peer: &str) -> Result<u64, AgentError> {
+        lock(&self.peers)
+            .get(peer)
+            .and_then(|p| p.metadata.as_ref().map(|m| m.generation))
+            .ok_or_else(|| AgentError::UnknownPeer(peer.to_string()))
     }
 
     /// Maps a peer's region references to remote descriptors, checking ranges.
