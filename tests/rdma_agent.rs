@@ -27,7 +27,11 @@ struct Prefill {
 }
 
 fn spawn_prefill() -> Prefill {
-    let (child, mut ctl) = spawn_peer("prefill_process", "prefill");
+    spawn_prefill_with("prefill")
+}
+
+fn spawn_prefill_with(scenario: &str) -> Prefill {
+    let (child, mut ctl) = spawn_peer("prefill_process", scenario);
     let hello = ctl.recv_str();
     let f: Vec<&str> = hello.split(' ').collect();
     Prefill {
@@ -298,6 +302,118 @@ fn the_kv_transfer_example_runs_as_two_processes() {
     report(dout.lines().last().unwrap_or_default());
 }
 
+/// A real etcd server on loopback ports, with its data in a temporary directory.
+struct Etcd {
+    child: std::process::Child,
+    dir: std::path::PathBuf,
+    endpoint: String,
+}
+
+impl Etcd {
+    fn start() -> Etcd {
+        let port = 23000 + (std::process::id() % 2000) as u16 * 2;
+        let dir = std::env::temp_dir().join(format!("rixl-etcd-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let endpoint = format!("127.0.0.1:{port}");
+        let child = std::process::Command::new("etcd")
+            .args(["--data-dir", dir.to_str().expect("utf8 path")])
+            .args(["--listen-client-urls", &format!("http://{endpoint}")])
+            .args(["--advertise-client-urls", &format!("http://{endpoint}")])
+            .args([
+                "--listen-peer-urls",
+                &format!("http://127.0.0.1:{}", port + 1),
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start etcd (Debian package etcd-server)");
+        let t0 = Instant::now();
+        while std::net::TcpStream::connect(&endpoint).is_err() {
+            assert!(t0.elapsed() < Duration::from_secs(20), "etcd did not start");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Etcd {
+            child,
+            dir,
+            endpoint,
+        }
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn wait_until(what: &str, timeout: Duration, f: impl Fn() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < timeout, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn agents_meet_through_etcd_and_a_departed_peer_is_invalidated_then_rejoins() {
+    let Some(decode) = agent("decode") else {
+        return;
+    };
+    let etcd = Etcd::start();
+    let ns = format!("/rixl-test/{}", std::process::id());
+    decode
+        .join_etcd(&etcd.endpoint, &ns, Duration::from_secs(3))
+        .expect("join etcd");
+    let first = spawn_prefill_with(&format!("etcd {} {ns}", etcd.endpoint));
+    wait_until(
+        "prefill is known through etcd",
+        Duration::from_secs(15),
+        || decode.peers() == ["prefill"],
+    );
+    let local = block_on(decode.register((4 * BLOCK) as usize, Visibility::All)).expect("register");
+    let mut list = LocalDescList::new();
+    list.push(local.region(), 0, BLOCK);
+    let one = [RemoteRef {
+        region: first.kv,
+        offset: 5 * BLOCK,
+        len: BLOCK,
+    }];
+    block_on(decode.read("prefill", &list, &one)).expect("read via etcd-learned metadata");
+    let t0 = Instant::now();
+    first.kill();
+    wait_until(
+        "the departed prefill is invalidated",
+        Duration::from_secs(20),
+        || decode.peers().is_empty(),
+    );
+    report(&format!(
+        "etcd: departed peer invalidated {:?} after its death (lease TTL 3 s)",
+        t0.elapsed()
+    ));
+    let second = spawn_prefill_with(&format!("etcd {} {ns}", etcd.endpoint));
+    wait_until(
+        "the restarted prefill is known again",
+        Duration::from_secs(15),
+        || decode.peers() == ["prefill"],
+    );
+    let one = [RemoteRef {
+        region: second.kv,
+        offset: 9 * BLOCK,
+        len: BLOCK,
+    }];
+    block_on(decode.read("prefill", &list, &one)).expect("read after re-join");
+    let mut buf = vec![0u8; BLOCK as usize];
+    local.region().read_at(0, &mut buf).expect("local");
+    assert!(buf
+        .iter()
+        .enumerate()
+        .all(|(k, &x)| x == pattern(SEED, (9 * BLOCK) as usize + k)));
+    second.finish();
+    decode.shutdown();
+}
+
 fn agent_device() -> Option<()> {
     require_or_skip("kv_transfer example", || {
         rixl::verbs::DeviceList::new().and_then(|l| l.find(None).map(|_| ()))
@@ -308,7 +424,7 @@ fn agent_device() -> Option<()> {
 #[test]
 #[ignore = "peer process entry point; spawned by the agent tests"]
 fn prefill_process() {
-    let Some((mut ctl, _)) = peer_control() else {
+    let Some((mut ctl, scenario)) = peer_control() else {
         return;
     };
     let mut cfg = AgentConfig::default();
@@ -321,6 +437,11 @@ fn prefill_process() {
     let secret = block_on(prefill.register(4096, Visibility::Only(vec!["someone-else".into()])))
         .expect("secret");
     let addr = prefill.listen("127.0.0.1:0").expect("listen");
+    if let ["etcd", endpoint, ns] = scenario.split(' ').collect::<Vec<_>>().as_slice() {
+        prefill
+            .join_etcd(endpoint, ns, Duration::from_secs(3))
+            .expect("join etcd");
+    }
     ctl.send_str(&format!("{addr} {} {}", kv.id(), secret.id()));
     let mut notifs = prefill.notifications().expect("stream");
     loop {

@@ -7,6 +7,7 @@
 //! peer's region ids (validated before posting), and notifications. A central store (etcd),
 //! prepared index-based requests and the VRAM/FILE kinds build on it.
 
+pub mod etcd;
 pub mod metadata;
 mod sidechannel;
 
@@ -415,6 +416,34 @@ impl Agent {
     pub fn fetch_remote_metadata(&self, addr: &str) -> Result<String, AgentError> {
         let blob = sidechannel::fetch_metadata(&self.inner.name, addr)?;
         self.load_remote_metadata(&blob)
+    }
+
+    /// Joins a central store: publishes this agent's metadata (regions visible to all) under
+    /// `<namespace>/<name>` on the etcd server at `endpoint` (`host:port`), renewed on a `ttl`
+    /// lease, and watches the namespace: peers that appear (or re-join with new metadata) are
+    /// loaded, peers whose key disappears are invalidated. Call [`Self::listen`] first so the
+    /// published metadata carries the side-channel address.
+    ///
+    /// # Errors
+    /// [`AgentError::SideChannel`] if etcd cannot be reached.
+    pub fn join_etcd(
+        &self,
+        endpoint: &str,
+        namespace: &str,
+        ttl: std::time::Duration,
+    ) -> Result<(), AgentError> {
+        etcd::join(&self.inner, self.clone(), endpoint, namespace, ttl)
+    }
+
+    /// Names of the peers whose metadata is loaded.
+    pub fn peers(&self) -> Vec<String> {
+        let mut v: Vec<String> = lock(&self.inner.peers)
+            .iter()
+            .filter(|(_, p)| p.metadata.is_some())
+            .map(|(n, _)| n.clone())
+            .collect();
+        v.sort();
+        v
     }
 
     /// RDMA WRITE of `local` to the peer's regions.
