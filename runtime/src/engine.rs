@@ -170,6 +170,9 @@ pub struct EngineCounters {
     pub doorbells: u64,
 }
 
+/// How long [`Engine::close_connection`] lets posted work finish before failing the connection.
+pub const CLOSE_GRACE: Duration = Duration::from_secs(1);
+
 /// Identifies a connection of an engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ConnId(pub u32);
@@ -505,10 +508,39 @@ impl Engine {
             .fail_connection(conn.0, reason, &TransferError::Flushed);
     }
 
-    /// Closes a connection: fails it, waits until nothing of it is in flight, and destroys its
-    /// queue pair.
+    /// Closes a connection gracefully: work already posted gets up to [`CLOSE_GRACE`] to
+    /// complete, then the connection is failed (the QP flushes what is left), and once nothing of
+    /// it is in flight its queue pair is destroyed.
     pub async fn close_connection(&self, conn: ConnId) {
+        let drained = futures_lite::future::or(
+            async {
+                self.wait_idle(conn).await;
+                true
+            },
+            async {
+                glommio::timer::Timer::new(CLOSE_GRACE).await;
+                false
+            },
+        )
+        .await;
+        if !drained {
+            tracing::debug!(
+                conn = conn.0,
+                "close: work still in flight after the grace period"
+            );
+        }
         self.abort_connection(conn, "closed");
+        self.wait_idle(conn).await;
+        let mut st = self.inner.state.borrow_mut();
+        if st.conns.contains(conn.0 as usize) {
+            let c = st.conns.remove(conn.0 as usize);
+            let qpn = c.qp.qpn();
+            st.qpn_to_conn.retain(|&(q, _)| q != qpn);
+        }
+    }
+
+    /// Waits until no work request of `conn` awaits completion.
+    async fn wait_idle(&self, conn: ConnId) {
         let inner = Rc::clone(&self.inner);
         poll_fn(|cx| {
             let mut st = inner.state.borrow_mut();
@@ -527,12 +559,6 @@ impl Engine {
             }
         })
         .await;
-        let mut st = self.inner.state.borrow_mut();
-        if st.conns.contains(conn.0 as usize) {
-            let c = st.conns.remove(conn.0 as usize);
-            let qpn = c.qp.qpn();
-            st.qpn_to_conn.retain(|&(q, _)| q != qpn);
-        }
     }
 
     /// RDMA WRITE of `local` to `remote` on `conn`.

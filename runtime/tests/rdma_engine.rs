@@ -655,11 +655,17 @@ fn peer_process() {
     info.extend_from_slice(&region.len().to_be_bytes());
     ctl.send(&info);
     let mut conns = Vec::new();
+    let mut senders: Vec<std::thread::JoinHandle<()>> = Vec::new();
     loop {
         let cmd = ctl.recv_str();
         let f: Vec<&str> = cmd.split_whitespace().collect();
         match f.as_slice() {
-            ["quit"] => break,
+            ["quit"] => {
+                for s in senders.drain(..) {
+                    s.join().expect("delayed sender");
+                }
+                break;
+            }
             ["exit"] => std::process::exit(0),
             ["connect"] => {
                 let (conn, mine) = block_on(h.prepare_connection()).expect("prepare");
@@ -697,10 +703,10 @@ fn peer_process() {
                     ms.parse().expect("ms"),
                     text.to_string(),
                 );
-                std::thread::spawn(move || {
+                senders.push(std::thread::spawn(move || {
                     std::thread::sleep(Duration::from_millis(ms));
                     block_on(h.send(conn, text.into_bytes(), None)).expect("send later");
-                });
+                }));
                 ctl.send_str("ok");
             }
             ["recv", n] => {
