@@ -179,7 +179,11 @@ fn decode_reads_scattered_kv_blocks_and_notifies_prefill() {
 #[test]
 fn a_killed_peer_ends_the_transfer_with_an_error_and_a_rejoined_peer_works() {
     let mut cfg = AgentConfig::default();
-    cfg.engine.transfer_timeout = Duration::from_secs(2);
+    // Fast failure detection: 4.096 µs x 2^12 ≈ 17 ms per transport retry, 3 retries; the
+    // transfer deadline (stall timeout) is far behind.
+    cfg.engine.connect.timeout = 12;
+    cfg.engine.connect.retry_cnt = 3;
+    cfg.engine.transfer_timeout = Duration::from_secs(5);
     let Some(decode) = require_or_skip("decode", || Agent::new("decode", cfg)) else {
         return;
     };
@@ -412,6 +416,64 @@ fn agents_meet_through_etcd_and_a_departed_peer_is_invalidated_then_rejoins() {
         .all(|(k, &x)| x == pattern(SEED, (9 * BLOCK) as usize + k)));
     second.finish();
     decode.shutdown();
+}
+
+/// An example binary, built next to the test binaries (target/<profile>/examples).
+fn example(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("exe");
+    let path = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .map(|p| p.join("examples").join(name))
+        .expect("examples dir");
+    assert!(path.exists(), "build the example first: {}", path.display());
+    path
+}
+
+#[test]
+fn the_weight_stream_example_serves_two_actors() {
+    if agent_device().is_none() {
+        return;
+    }
+    let exe = example("weight_stream");
+    let common = ["--versions", "2", "--mib", "4"];
+    let learner = std::process::Command::new(&exe)
+        .args(["learner", "--listen", "127.0.0.1:7312", "--actors", "2"])
+        .args(common)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("learner");
+    let actors: Vec<_> = (0..2)
+        .map(|i| {
+            std::process::Command::new(&exe)
+                .args([
+                    "actor",
+                    "--learner",
+                    "127.0.0.1:7312",
+                    "--name",
+                    &format!("actor-{i}"),
+                ])
+                .args(common)
+                .stdout(std::process::Stdio::piped())
+                .spawn()
+                .expect("actor")
+        })
+        .collect();
+    for a in actors {
+        let out = a.wait_with_output().expect("actor exit");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "actor failed: {text}");
+        assert_eq!(text.matches("verified").count(), 2, "{text}");
+    }
+    let out = learner.wait_with_output().expect("learner exit");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "learner failed");
+    assert_eq!(
+        text.matches("pulled and verified by 2 actors").count(),
+        2,
+        "{text}"
+    );
+    report(text.lines().last().unwrap_or_default());
 }
 
 fn agent_device() -> Option<()> {

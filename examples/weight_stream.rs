@@ -1,0 +1,162 @@
+//! RL weight streaming with the agent API: one learner publishes new weight versions, several
+//! actors pull each version as soon as they are notified.
+//!
+//! The learner registers its weights and serves metadata on a side channel. Each actor fetches the
+//! metadata, says "ready" (a notification), and then for every "version N" notification reads the
+//! whole weight region (1 MiB descriptors, one transfer), verifies it and answers "got N".
+//!
+//! ```text
+//! weight_stream learner --listen 0.0.0.0:7100 --actors 2 [--versions 3] [--mib 32]
+//! weight_stream actor   --learner HOST:7100 --name actor-0 [--versions 3] [--mib 32]
+//! ```
+
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
+
+use futures_lite::future::block_on;
+use futures_lite::StreamExt;
+use rixl::agent::{Agent, AgentConfig, RemoteRef, Visibility};
+use rixl::runtime::LocalDescList;
+
+type BoxError = Box<dyn std::error::Error>;
+const CHUNK: u64 = 1 << 20;
+
+fn arg(args: &[String], flag: &str) -> Option<String> {
+    args.iter()
+        .position(|a| a == flag)
+        .and_then(|i| args.get(i + 1).cloned())
+}
+
+fn num(args: &[String], flag: &str, default: u64) -> Result<u64, BoxError> {
+    Ok(arg(args, flag)
+        .map(|v| v.parse())
+        .transpose()?
+        .unwrap_or(default))
+}
+
+/// Weight byte `i` of version `v`.
+fn weight(v: u64, i: u64) -> u8 {
+    (i.wrapping_mul(2_654_435_761) >> 13) as u8 ^ (v as u8).wrapping_mul(37)
+}
+
+fn learner(args: &[String]) -> Result<(), BoxError> {
+    let (actors, versions, bytes) = (
+        num(args, "--actors", 2)?,
+        num(args, "--versions", 3)?,
+        num(args, "--mib", 32)? * CHUNK,
+    );
+    let agent = Agent::new("learner", AgentConfig::default())?;
+    let w = block_on(agent.register(bytes as usize, Visibility::All))?;
+    let addr = agent.listen(&arg(args, "--listen").unwrap_or_else(|| "127.0.0.1:7100".into()))?;
+    println!(
+        "learner: {} MiB of weights (region {}), side channel {addr}, waiting for {actors} actors",
+        bytes >> 20,
+        w.id()
+    );
+    let mut notifs = agent.notifications().ok_or("stream taken")?;
+    let mut ready = HashSet::new();
+    while (ready.len() as u64) < actors {
+        let (peer, msg) = block_on(notifs.next()).ok_or("stream ended")?;
+        if msg == b"ready" {
+            ready.insert(peer);
+        }
+    }
+    let mut buf = vec![0u8; CHUNK as usize];
+    for v in 1..=versions {
+        // A training step produced new weights: write them in place, then announce the version.
+        for c in 0..bytes / CHUNK {
+            for (i, b) in buf.iter_mut().enumerate() {
+                *b = weight(v, c * CHUNK + i as u64);
+            }
+            w.region().write_at(c * CHUNK, &buf)?;
+        }
+        let t = Instant::now();
+        for a in &ready {
+            block_on(agent.notify(a, format!("version {v}").as_bytes()))?;
+        }
+        let mut got = HashSet::new();
+        while got.len() < ready.len() {
+            let (peer, msg) = block_on(notifs.next()).ok_or("stream ended")?;
+            if msg == format!("got {v}").as_bytes() {
+                got.insert(peer);
+            }
+        }
+        println!(
+            "learner: version {v} pulled and verified by {} actors in {:?}",
+            got.len(),
+            t.elapsed()
+        );
+    }
+    agent.shutdown();
+    Ok(())
+}
+
+fn actor(args: &[String]) -> Result<(), BoxError> {
+    let name = arg(args, "--name").unwrap_or_else(|| "actor-0".into());
+    let (versions, bytes) = (num(args, "--versions", 3)?, num(args, "--mib", 32)? * CHUNK);
+    let region = num(args, "--region", 1)?;
+    let agent = Agent::new(&name, AgentConfig::default())?;
+    let learner = arg(args, "--learner").unwrap_or_else(|| "127.0.0.1:7100".into());
+    let t0 = Instant::now();
+    let peer = loop {
+        match agent.fetch_remote_metadata(&learner) {
+            Ok(p) => break p,
+            Err(_) if t0.elapsed() < Duration::from_secs(60) => {
+                std::thread::sleep(Duration::from_millis(200))
+            }
+            Err(e) => return Err(e.into()),
+        }
+    };
+    let local = block_on(agent.register(bytes as usize, Visibility::All))?;
+    let mut list = LocalDescList::new();
+    let mut remote = Vec::new();
+    for c in 0..bytes / CHUNK {
+        list.push(local.region(), c * CHUNK, CHUNK);
+        remote.push(RemoteRef {
+            region,
+            offset: c * CHUNK,
+            len: CHUNK,
+        });
+    }
+    let mut notifs = agent.notifications().ok_or("stream taken")?;
+    block_on(agent.notify(&peer, b"ready"))?;
+    let mut buf = vec![0u8; CHUNK as usize];
+    for _ in 0..versions {
+        let (_, msg) = block_on(notifs.next()).ok_or("stream ended")?;
+        let text = String::from_utf8(msg)?;
+        let v: u64 = text
+            .strip_prefix("version ")
+            .ok_or("unexpected notification")?
+            .parse()?;
+        let t = Instant::now();
+        block_on(agent.read(&peer, &list, &remote))?;
+        let took = t.elapsed();
+        for c in 0..bytes / CHUNK {
+            local.region().read_at(c * CHUNK, &mut buf)?;
+            if buf
+                .iter()
+                .enumerate()
+                .any(|(i, &b)| b != weight(v, c * CHUNK + i as u64))
+            {
+                return Err(format!("{name}: version {v} chunk {c} differs").into());
+            }
+        }
+        block_on(agent.notify(&peer, format!("got {v}").as_bytes()))?;
+        println!(
+            "{name}: pulled version {v} ({} MiB) in {took:?} ({:.1} MiB/s), verified",
+            bytes >> 20,
+            (bytes >> 20) as f64 / took.as_secs_f64()
+        );
+    }
+    agent.shutdown();
+    Ok(())
+}
+
+fn main() -> Result<(), BoxError> {
+    let args: Vec<String> = std::env::args().collect();
+    match args.get(1).map(String::as_str) {
+        Some("learner") => learner(&args),
+        Some("actor") => actor(&args),
+        _ => Err("usage: weight_stream learner|actor [flags] (see the file's docs)".into()),
+    }
+}
