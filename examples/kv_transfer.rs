@@ -18,6 +18,10 @@ use futures_lite::StreamExt;
 use rixl::agent::{Agent, AgentConfig, PreparedLocal, RemoteRef, Visibility};
 use rixl::runtime::Op;
 
+mod common;
+
+use common::{arg, num};
+
 type BoxError = Box<dyn std::error::Error>;
 
 struct Shape {
@@ -38,19 +42,6 @@ impl Shape {
     fn index(&self, layer: u64, kv: u64, block: u64) -> usize {
         ((layer * 2 + kv) * self.blocks + block) as usize
     }
-}
-
-fn arg(args: &[String], flag: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == flag)
-        .and_then(|i| args.get(i + 1).cloned())
-}
-
-fn num(args: &[String], flag: &str, default: u64) -> Result<u64, BoxError> {
-    Ok(arg(args, flag)
-        .map(|v| v.parse())
-        .transpose()?
-        .unwrap_or(default))
 }
 
 /// Content of one KV block: a function of its position, so decode can verify what it got.

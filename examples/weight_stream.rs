@@ -18,21 +18,12 @@ use futures_lite::StreamExt;
 use rixl::agent::{Agent, AgentConfig, RemoteRef, Visibility};
 use rixl::runtime::LocalDescList;
 
+mod common;
+
+use common::{arg, num};
+
 type BoxError = Box<dyn std::error::Error>;
 const CHUNK: u64 = 1 << 20;
-
-fn arg(args: &[String], flag: &str) -> Option<String> {
-    args.iter()
-        .position(|a| a == flag)
-        .and_then(|i| args.get(i + 1).cloned())
-}
-
-fn num(args: &[String], flag: &str, default: u64) -> Result<u64, BoxError> {
-    Ok(arg(args, flag)
-        .map(|v| v.parse())
-        .transpose()?
-        .unwrap_or(default))
-}
 
 /// Weight byte `i` of version `v`.
 fn weight(v: u64, i: u64) -> u8 {

@@ -235,18 +235,7 @@ fn a_killed_peer_ends_the_transfer_with_an_error_and_a_rejoined_peer_works() {
     decode
         .fetch_remote_metadata(&again.addr)
         .expect("fetch again");
-    let one = [RemoteRef {
-        region: again.kv,
-        offset: 3 * BLOCK,
-        len: BLOCK,
-    }];
-    block_on(decode.read("prefill", &list, &one)).expect("read after re-join");
-    let mut buf = vec![0u8; BLOCK as usize];
-    local.region().read_at(0, &mut buf).expect("local");
-    assert!(buf
-        .iter()
-        .enumerate()
-        .all(|(k, &x)| x == pattern(SEED, (3 * BLOCK) as usize + k)));
+    read_and_check(&decode, &list, local.region(), again.kv, 3);
     again.finish();
     decode.shutdown();
 }
@@ -402,20 +391,34 @@ fn agents_meet_through_etcd_and_a_departed_peer_is_invalidated_then_rejoins() {
         Duration::from_secs(15),
         || decode.peers() == ["prefill"],
     );
-    let one = [RemoteRef {
-        region: second.kv,
-        offset: 9 * BLOCK,
-        len: BLOCK,
-    }];
-    block_on(decode.read("prefill", &list, &one)).expect("read after re-join");
-    let mut buf = vec![0u8; BLOCK as usize];
-    local.region().read_at(0, &mut buf).expect("local");
-    assert!(buf
-        .iter()
-        .enumerate()
-        .all(|(k, &x)| x == pattern(SEED, (9 * BLOCK) as usize + k)));
+    read_and_check(&decode, &list, local.region(), second.kv, 9);
     second.finish();
     decode.shutdown();
+}
+
+/// Reads KV block `block` of the prefill region `kv` into the start of `local` and checks it.
+fn read_and_check(
+    decode: &Agent,
+    list: &LocalDescList,
+    local: &rixl::runtime::Region,
+    kv: u64,
+    block: u64,
+) {
+    let one = [RemoteRef {
+        region: kv,
+        offset: block * BLOCK,
+        len: BLOCK,
+    }];
+    block_on(decode.read("prefill", list, &one)).expect("read after re-join");
+    let mut buf = vec![0u8; BLOCK as usize];
+    local.read_at(0, &mut buf).expect("local");
+    let base = (block * BLOCK) as usize;
+    assert!(
+        buf.iter()
+            .enumerate()
+            .all(|(k, &x)| x == pattern(SEED, base + k)),
+        "block {block}"
+    );
 }
 
 /// An example binary, built next to the test binaries (target/<profile>/examples).
