@@ -487,7 +487,7 @@ impl Agent {
         notification: Option<&[u8]>,
     ) -> Result<TransferStats, AgentError> {
         let remote = self.inner.resolve(peer, remote)?;
-        let conn = sidechannel::ensure_connection(&self.inner, peer)?;
+        let conn = sidechannel::ensure_connection(&self.inner, peer).await?;
         let st = self
             .inner
             .engine
@@ -536,7 +536,7 @@ impl Agent {
         }
         let l = local.select(local_idx)?;
         let r = remote.select(remote_idx)?;
-        let conn = sidechannel::ensure_connection(&self.inner, &remote.peer)?;
+        let conn = sidechannel::ensure_connection(&self.inner, &remote.peer).await?;
         let st = self
             .inner
             .engine
@@ -553,7 +553,7 @@ impl Agent {
     /// # Errors
     /// [`AgentError::UnknownPeer`], [`AgentError::NotificationTooLarge`], or a transfer error.
     pub async fn notify(&self, peer: &str, msg: &[u8]) -> Result<(), AgentError> {
-        let conn = sidechannel::ensure_connection(&self.inner, peer)?;
+        let conn = sidechannel::ensure_connection(&self.inner, peer).await?;
         self.notify_on(conn, msg).await
     }
 

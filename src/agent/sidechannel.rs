@@ -136,8 +136,12 @@ pub(super) fn fetch_metadata(me: &str, addr: &str) -> Result<Vec<u8>, AgentError
     unhex(&line)
 }
 
-/// The connection to `peer`, made on first use through its side channel.
-pub(super) fn ensure_connection(inner: &Arc<Inner>, peer: &str) -> Result<ConnId, AgentError> {
+/// The connection to `peer`, made on first use through its side channel (the engine calls are
+/// awaited; only the short side-channel exchange is blocking I/O).
+pub(super) async fn ensure_connection(
+    inner: &Arc<Inner>,
+    peer: &str,
+) -> Result<ConnId, AgentError> {
     let addr = {
         let peers = lock(&inner.peers);
         let p = peers
