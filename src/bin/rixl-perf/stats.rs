@@ -40,11 +40,12 @@ pub fn bw_line(r: &BwRow, gbits: bool) -> String {
 }
 
 /// Bandwidth from completion stamps `(seconds since start, messages completed)` of equally sized
-/// messages: peak = the best of 10 equal time slices of the run, average = the whole run.
+/// messages: peak = the best of 5 equal time slices of the run (completions are observed in
+/// bursts, so finer slices overstate it), average = the whole run.
 pub fn bw_from(bytes: u64, completions: &[(f64, u64)], elapsed: f64) -> BwRow {
     let n: u64 = completions.iter().map(|c| c.1).sum();
-    let slices = 10usize;
-    let mut per = [0u64; 10];
+    let slices = 5usize;
+    let mut per = [0u64; 5];
     if elapsed > 0.0 {
         for &(t, k) in completions {
             let i = ((t / elapsed) * slices as f64) as usize;
