@@ -20,16 +20,20 @@ done
 
 H=/host
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000,cache=loose hostroot $H || fail "mount host root"
+# Read the job (it lives in the workspace) before anything is mounted over the host's paths:
+# the workspace may itself be under /tmp, which gets a tmpfs below.
+ws_path=$(sed -n 's/^export RIXL_WS=//p' "$H$job/job.sh" 2>/dev/null)
+[ -n "$ws_path" ] || fail "cannot read job $job"
 mount -t proc proc $H/proc
 mount -t sysfs sys $H/sys
 mount -t devtmpfs dev $H/dev
-mkdir -p /dev/pts 2>/dev/null
 mount -t tmpfs -o size=512m tmp $H/tmp
 mount -t tmpfs run $H/run
-. /dev/null
-ws_path=$(sed -n 's/^export RIXL_WS=//p' "$H$job/job.sh" 2>/dev/null)
-[ -n "$ws_path" ] || fail "cannot read job $job"
-mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 ws "$H$ws_path" || fail "mount workspace"
+# printf %q quoting in job.sh: undo the simple cases (no spaces in the path).
+ws_path=$(echo "$ws_path" | sed "s/^'//; s/'$//")
+mkdir -p "$H$ws_path" 2>/dev/null
+mount -t 9p -o trans=virtio,version=9p2000.L,msize=512000 ws "$H$ws_path" || fail "mount workspace at $ws_path"
+[ -f "$H$job/job.sh" ] || fail "job not visible after mounting the workspace"
 
 IP=/usr/bin/ip
 RUN() { chroot $H "$@"; }
