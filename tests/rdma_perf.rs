@@ -151,3 +151,38 @@ fn bad_flags_are_errors() {
         .expect("run");
     assert!(!out.status.success());
 }
+
+const RIXL: &str = env!("CARGO_BIN_EXE_rixl");
+
+#[test]
+fn rixl_info_lists_devices_ports_and_gids() {
+    if device().is_none() {
+        return;
+    }
+    let out = Command::new(RIXL).arg("info").output().expect("rixl info");
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    let dev = std::env::var("RIXL_RDMA_DEVICE").unwrap_or_else(|_| "rxe0".into());
+    assert!(text.contains(&format!("  {dev} (node GUID")), "{text}");
+    assert!(
+        text.contains("port 1: ACTIVE") && text.contains("GID[1]"),
+        "{text}"
+    );
+    assert!(text.contains("GPU backends:"), "{text}");
+}
+
+#[test]
+fn rixl_topo_and_info_never_fail_without_hardware() {
+    for cmd in ["topo", "info"] {
+        let out = Command::new(RIXL).arg(cmd).output().expect("rixl");
+        assert!(
+            out.status.success(),
+            "rixl {cmd}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let out = Command::new(RIXL).arg("topo").output().expect("rixl topo");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("NUMA nodes:"));
+    let bad = Command::new(RIXL).arg("frobnicate").output().expect("rixl");
+    assert!(!bad.status.success());
+}
