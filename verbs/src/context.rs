@@ -173,7 +173,7 @@ impl Context {
     /// Opens a device by name, or the first device when `name` is `None`.
     ///
     /// # Errors
-    /// [`Error::NoDevice`], [`Error::DeviceNotFound`] or [`Error::Verb`].
+    /// [`Error::NoDevice`], [`Error::DeviceNotFound`] or the failing verb's error variant.
     pub fn open(name: Option<&str>) -> Result<Self> {
         let list = crate::DeviceList::new()?;
         let dev = list.find(name)?;
@@ -193,13 +193,13 @@ impl Context {
     /// Queries the device limits.
     ///
     /// # Errors
-    /// [`Error::Verb`] if `ibv_query_device` fails.
+    /// the failing verb's error variant if `ibv_query_device` fails.
     pub fn query_device(&self) -> Result<DeviceAttributes> {
         let mut attr = sys::ibv_device_attr::default();
         // SAFETY: the context is open and `attr` is a valid out-parameter.
         let rc = unsafe { sys::ibv_query_device(self.as_raw(), &mut attr) };
         if rc != 0 {
-            return Err(Error::from_ret("ibv_query_device", rc));
+            return Err(Error::from_ret(Error::QueryDevice, rc));
         }
         let u = |v: i32| u32::try_from(v).unwrap_or(0);
         Ok(DeviceAttributes {
@@ -218,13 +218,13 @@ impl Context {
     /// Queries a port (ports are numbered from 1).
     ///
     /// # Errors
-    /// [`Error::Verb`] if `ibv_query_port` fails (e.g. no such port).
+    /// the failing verb's error variant if `ibv_query_port` fails (e.g. no such port).
     pub fn query_port(&self, port: u8) -> Result<PortAttributes> {
         let mut attr = sys::ibv_port_attr::default();
         // SAFETY: the context is open and `attr` is a valid out-parameter.
         let rc = unsafe { sys::___ibv_query_port(self.as_raw(), port, &mut attr) };
         if rc != 0 {
-            return Err(Error::from_ret("ibv_query_port", rc));
+            return Err(Error::from_ret(Error::QueryPort, rc));
         }
         Ok(PortAttributes {
             active: attr.state == sys::ibv_port_state::IBV_PORT_ACTIVE,
@@ -245,7 +245,7 @@ impl Context {
     /// Reads one GID table entry.
     ///
     /// # Errors
-    /// [`Error::Verb`] if `ibv_query_gid` fails (index out of range).
+    /// the failing verb's error variant if `ibv_query_gid` fails (index out of range).
     pub fn query_gid(&self, port: u8, index: u32) -> Result<Gid> {
         let idx = i32::try_from(index)
             .map_err(|_| Error::InvalidArgument(format!("GID index {index}")))?;
@@ -253,7 +253,7 @@ impl Context {
         // SAFETY: the context is open and `gid` is a valid out-parameter.
         let rc = unsafe { sys::ibv_query_gid(self.as_raw(), port, idx, &mut gid) };
         if rc != 0 {
-            return Err(Error::from_ret("ibv_query_gid", rc));
+            return Err(Error::from_ret(Error::QueryGid, rc));
         }
         // SAFETY: every bit pattern of the union is a valid `[u8; 16]`.
         Ok(Gid(unsafe { gid.raw }))

@@ -77,7 +77,7 @@ impl CompletionQueue {
     /// completion channel is created so the CQ can be waited on ([`Self::wait_event`]).
     ///
     /// # Errors
-    /// [`Error::Limit`] if `capacity` exceeds the device's `max_cqe`; [`Error::Verb`] otherwise.
+    /// [`Error::Limit`] if `capacity` exceeds the device's `max_cqe`; the failing verb's error variant otherwise.
     pub fn new(ctx: &Context, capacity: u32, with_events: bool) -> Result<Self> {
         let max = ctx.query_device()?.max_cqe;
         if capacity == 0 || capacity > max {
@@ -90,7 +90,7 @@ impl CompletionQueue {
         let channel = if with_events {
             // SAFETY: the context is open.
             let raw = unsafe { sys::ibv_create_comp_channel(ctx.as_raw()) };
-            let raw = NonNull::new(raw).ok_or_else(|| Error::last_os("ibv_create_comp_channel"))?;
+            let raw = NonNull::new(raw).ok_or_else(|| Error::last_os(Error::CreateCompChannel))?;
             Some(ChannelInner {
                 raw,
                 _ctx: Arc::clone(&ctx.inner),
@@ -105,7 +105,7 @@ impl CompletionQueue {
         // SAFETY: the context is open; `chan_ptr` is null or a live channel of the same context.
         let raw =
             unsafe { sys::ibv_create_cq(ctx.as_raw(), cqe, std::ptr::null_mut(), chan_ptr, 0) };
-        let raw = NonNull::new(raw).ok_or_else(|| Error::last_os("ibv_create_cq"))?;
+        let raw = NonNull::new(raw).ok_or_else(|| Error::last_os(Error::CreateCq))?;
         // SAFETY: `raw` is the CQ just created; `cqe` is the actual size granted.
         let actual = unsafe { (*raw.as_ptr()).cqe };
         Ok(CompletionQueue {
@@ -127,21 +127,21 @@ impl CompletionQueue {
     /// Polls up to `out.len()` completions into `out`; returns how many were written.
     ///
     /// # Errors
-    /// [`Error::Verb`] if `ibv_poll_cq` fails.
+    /// the failing verb's error variant if `ibv_poll_cq` fails.
     #[inline]
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
         let n = i32::try_from(out.len()).unwrap_or(i32::MAX);
         // SAFETY: the CQ is live; `WorkCompletion` is `repr(transparent)` over `ibv_wc`, and `out`
         // has room for `n` entries.
         let got = unsafe { sys::ibv_poll_cq(self.inner.raw.as_ptr(), n, out.as_mut_ptr().cast()) };
-        usize::try_from(got).map_err(|_| Error::from_ret("ibv_poll_cq", -got))
+        usize::try_from(got).map_err(|_| Error::from_ret(Error::PollCq, -got))
     }
 
     /// Arms the CQ: the next completion (only solicited ones with `solicited_only`) generates an
     /// event on the channel. Poll once more after arming to not miss completions that raced it.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] without a channel; [`Error::Verb`] if arming fails.
+    /// [`Error::InvalidArgument`] without a channel; the failing verb's error variant if arming fails.
     pub fn req_notify(&self, solicited_only: bool) -> Result<()> {
         if self.inner.channel.is_none() {
             return Err(Error::InvalidArgument(
@@ -152,7 +152,7 @@ impl CompletionQueue {
         let rc =
             unsafe { sys::ibv_req_notify_cq(self.inner.raw.as_ptr(), i32::from(solicited_only)) };
         if rc != 0 {
-            return Err(Error::from_ret("ibv_req_notify_cq", rc));
+            return Err(Error::from_ret(Error::ReqNotifyCq, rc));
         }
         Ok(())
     }
@@ -170,7 +170,7 @@ impl CompletionQueue {
     ///
     /// # Errors
     /// [`Error::Timeout`] when no event came; [`Error::InvalidArgument`] without a channel;
-    /// [`Error::Verb`] if waiting fails.
+    /// the failing verb's error variant if waiting fails.
     pub fn wait_event(&self, timeout: Option<Duration>) -> Result<()> {
         let chan = self.inner.channel.as_ref().ok_or_else(|| {
             Error::InvalidArgument("completion queue was created without an event channel".into())
@@ -191,10 +191,7 @@ impl CompletionQueue {
                 if e.kind() == std::io::ErrorKind::Interrupted {
                     continue;
                 }
-                return Err(Error::Verb {
-                    verb: "poll",
-                    source: e,
-                });
+                return Err(Error::WaitEvent(e));
             }
             if rc == 0 {
                 return Err(Error::Timeout);
@@ -206,7 +203,7 @@ impl CompletionQueue {
         // SAFETY: the channel is readable so this does not block; out-pointers are valid.
         let rc = unsafe { sys::ibv_get_cq_event(chan.raw.as_ptr(), &mut cq, &mut ctx) };
         if rc != 0 {
-            return Err(Error::last_os("ibv_get_cq_event"));
+            return Err(Error::last_os(Error::GetCqEvent));
         }
         debug_assert_eq!(
             cq,

@@ -26,7 +26,7 @@ impl DeviceList {
     ///
     /// # Errors
     /// [`Error::NoDevice`] when the kernel has no RDMA support (`ENOSYS`) or no device exists;
-    /// [`Error::Verb`] for other failures.
+    /// the failing verb's error variant for other failures.
     pub fn new() -> Result<Self> {
         let mut n: i32 = 0;
         // SAFETY: `n` is a valid out-pointer; the call has no other preconditions.
@@ -41,10 +41,7 @@ impl DeviceList {
                         ),
                     })
                 }
-                _ => Err(Error::Verb {
-                    verb: "ibv_get_device_list",
-                    source: err,
-                }),
+                _ => Err(Error::GetDeviceList(err)),
             };
         };
         let len = usize::try_from(n).unwrap_or(0);
@@ -131,11 +128,11 @@ impl Device<'_> {
     /// Opens the device.
     ///
     /// # Errors
-    /// [`Error::Verb`] if `ibv_open_device` fails.
+    /// the failing verb's error variant if `ibv_open_device` fails.
     pub fn open(&self) -> Result<Context> {
         // SAFETY: `raw` is a live device of the list.
         let ctx = unsafe { sys::ibv_open_device(self.raw) };
-        let ctx = NonNull::new(ctx).ok_or_else(|| Error::last_os("ibv_open_device"))?;
+        let ctx = NonNull::new(ctx).ok_or_else(|| Error::last_os(Error::OpenDevice))?;
         Ok(Context::from_raw_owned(ctx, self.name().to_string()))
     }
 

@@ -106,7 +106,7 @@ impl MemoryRegion {
     /// concurrent modification.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for zero length; [`Error::Verb`] if registration fails (e.g.
+    /// [`Error::InvalidArgument`] for zero length; the failing verb's error variant if registration fails (e.g.
     /// `ENOMEM` when the memlock limit is too small, `EFAULT` for an unmapped range).
     pub unsafe fn register_raw(
         pd: &ProtectionDomain,
@@ -124,7 +124,7 @@ impl MemoryRegion {
         let raw = unsafe {
             sys::ibv_reg_mr_iova2(pd.as_raw(), addr.cast(), len, addr as u64, access.bits())
         };
-        let raw = NonNull::new(raw).ok_or_else(|| Error::last_os("ibv_reg_mr"))?;
+        let raw = NonNull::new(raw).ok_or_else(|| Error::last_os(Error::RegisterMemory))?;
         // SAFETY: `raw` was just returned by a successful registration and is not shared yet.
         let (lkey, rkey) = unsafe { ((*raw.as_ptr()).lkey, (*raw.as_ptr()).rkey) };
         tracing::debug!(
@@ -226,7 +226,7 @@ impl RegisteredBuffer {
     /// Allocates `len` zeroed bytes (page aligned) and registers them.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for zero length, [`Error::Verb`] if allocation or registration
+    /// [`Error::InvalidArgument`] for zero length, the failing verb's error variant if allocation or registration
     /// fails.
     pub fn new(pd: &ProtectionDomain, len: usize, access: AccessFlags) -> Result<Self> {
         if len == 0 {
@@ -235,10 +235,9 @@ impl RegisteredBuffer {
         let layout = Layout::from_size_align(len, BUFFER_ALIGN)
             .map_err(|e| Error::InvalidArgument(format!("buffer of {len} bytes: {e}")))?;
         // SAFETY: the layout has non-zero size.
-        let ptr = NonNull::new(unsafe { alloc::alloc_zeroed(layout) }).ok_or(Error::Verb {
-            verb: "alloc",
-            source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
-        })?;
+        let ptr = NonNull::new(unsafe { alloc::alloc_zeroed(layout) }).ok_or(
+            Error::OutOfMemory(std::io::Error::from(std::io::ErrorKind::OutOfMemory)),
+        )?;
         // SAFETY: the allocation is owned by the returned value and freed only after `mr` is
         // deregistered (see `Drop`), so it outlives the registration.
         let mr = match unsafe { MemoryRegion::register_raw(pd, ptr.as_ptr(), len, access) } {

@@ -47,11 +47,11 @@ impl ProtectionDomain {
     /// Allocates a protection domain on `ctx`.
     ///
     /// # Errors
-    /// [`Error::Verb`] if `ibv_alloc_pd` fails.
+    /// the failing verb's error variant if `ibv_alloc_pd` fails.
     pub fn new(ctx: &Context) -> Result<Self> {
         // SAFETY: the context is open.
         let raw = unsafe { sys::ibv_alloc_pd(ctx.as_raw()) };
-        let raw = NonNull::new(raw).ok_or_else(|| Error::last_os("ibv_alloc_pd"))?;
+        let raw = NonNull::new(raw).ok_or_else(|| Error::last_os(Error::AllocPd))?;
         Ok(ProtectionDomain {
             inner: Arc::new(PdInner {
                 raw,

@@ -225,7 +225,7 @@ impl QueuePair {
     /// Creates an RC queue pair in the `Reset` state.
     ///
     /// # Errors
-    /// [`Error::Limit`] if a requested size exceeds the device's limits; [`Error::Verb`] if
+    /// [`Error::Limit`] if a requested size exceeds the device's limits; the failing verb's error variant if
     /// `ibv_create_qp` fails.
     pub fn new_rc(
         pd: &ProtectionDomain,
@@ -273,7 +273,7 @@ impl QueuePair {
         };
         // SAFETY: PD and CQs are live and belong to the same context; `attr` is valid.
         let raw = unsafe { sys::ibv_create_qp(pd.as_raw(), &mut attr) };
-        let raw = NonNull::new(raw).ok_or_else(|| Error::last_os("ibv_create_qp"))?;
+        let raw = NonNull::new(raw).ok_or_else(|| Error::last_os(Error::CreateQp))?;
         // SAFETY: `raw` is the QP just created.
         let qpn = unsafe { (*raw.as_ptr()).qp_num };
         let granted = QueuePairCapabilities {
@@ -320,7 +320,7 @@ impl QueuePair {
     /// This side's endpoint for `opts` (port, GID index), with a PSN from `psn` (24 bits).
     ///
     /// # Errors
-    /// [`Error::Verb`] if the port or GID cannot be queried; [`Error::InvalidArgument`] if the GID
+    /// the failing verb's error variant if the port or GID cannot be queried; [`Error::InvalidArgument`] if the GID
     /// entry is empty.
     pub fn endpoint(&self, opts: &ConnectOptions, psn: u32) -> Result<Endpoint> {
         let ctx = self.pd.context();
@@ -363,7 +363,7 @@ impl QueuePair {
         // SAFETY: the QP is live and `attr` is a valid attribute block for `mask`.
         let rc = unsafe { sys::ibv_modify_qp(self.raw.as_ptr(), attr, mask) };
         if rc != 0 {
-            return Err(Error::from_ret("ibv_modify_qp", rc));
+            return Err(Error::from_ret(Error::ModifyQp, rc));
         }
         self.state.store(to.to_u8(), Ordering::Release);
         tracing::debug!(qpn = self.qpn, ?from, ?to, "queue pair transition");
@@ -373,7 +373,7 @@ impl QueuePair {
     /// RESET → INIT.
     ///
     /// # Errors
-    /// [`Error::InvalidTransition`] out of order, [`Error::Verb`] if the device refuses.
+    /// [`Error::InvalidTransition`] out of order, the failing verb's error variant if the device refuses.
     pub fn to_init(&self, opts: &ConnectOptions) -> Result<()> {
         use sys::ibv_qp_attr_mask as m;
         let mut attr = sys::ibv_qp_attr {
@@ -393,7 +393,7 @@ impl QueuePair {
     /// INIT → RTR, connecting to `remote`.
     ///
     /// # Errors
-    /// [`Error::InvalidTransition`] out of order, [`Error::Verb`] if the device refuses (e.g. an
+    /// [`Error::InvalidTransition`] out of order, the failing verb's error variant if the device refuses (e.g. an
     /// unreachable GID).
     pub fn to_rtr(&self, remote: &Endpoint, opts: &ConnectOptions) -> Result<()> {
         use sys::ibv_qp_attr_mask as m;
@@ -443,7 +443,7 @@ impl QueuePair {
     /// RTR → RTS with the local PSN `psn`.
     ///
     /// # Errors
-    /// [`Error::InvalidTransition`] out of order, [`Error::Verb`] if the device refuses.
+    /// [`Error::InvalidTransition`] out of order, the failing verb's error variant if the device refuses.
     pub fn to_rts(&self, psn: u32, opts: &ConnectOptions) -> Result<()> {
         use sys::ibv_qp_attr_mask as m;
         let mut attr = sys::ibv_qp_attr {
@@ -483,7 +483,7 @@ impl QueuePair {
     /// `IBV_WC_WR_FLUSH_ERR`. Allowed from any state.
     ///
     /// # Errors
-    /// [`Error::Verb`] if the device refuses.
+    /// the failing verb's error variant if the device refuses.
     pub fn to_error(&self) -> Result<()> {
         let mut attr = sys::ibv_qp_attr::default();
         self.transition(
@@ -510,7 +510,7 @@ impl QueuePair {
     ///
     /// # Errors
     /// [`Error::Limit`] if a request exceeds the QP's granted scatter/gather or inline limits or
-    /// the port's message size (nothing is posted then); [`Error::Post`] with the index of the first
+    /// the port's message size (nothing is posted then); [`Error::PostSend`] with the index of the first
     /// request not posted if the provider refuses (e.g. the send queue is full).
     pub unsafe fn post_send(&self, batch: &mut SendBatch) -> Result<()> {
         batch.check(&self.caps, self.max_message_size())?;
@@ -522,8 +522,7 @@ impl QueuePair {
         // not moved until after the call); the caller upholds the memory contract.
         let rc = unsafe { sys::ibv_post_send(self.raw.as_ptr(), head, &mut bad) };
         if rc != 0 {
-            return Err(Error::Post {
-                verb: "ibv_post_send",
+            return Err(Error::PostSend {
                 index: batch.index_of(bad),
                 source: std::io::Error::from_raw_os_error(rc.abs()),
             });
@@ -539,7 +538,7 @@ impl QueuePair {
     /// flushed.
     ///
     /// # Errors
-    /// [`Error::Limit`] if a request has more entries than the QP allows; [`Error::Post`] if the
+    /// [`Error::Limit`] if a request has more entries than the QP allows; [`Error::PostRecv`] if the
     /// provider refuses (e.g. the receive queue is full).
     pub unsafe fn post_recv(&self, batch: &mut RecvBatch) -> Result<()> {
         batch.check(&self.caps)?;
@@ -551,8 +550,7 @@ impl QueuePair {
         // upholds the memory contract.
         let rc = unsafe { sys::ibv_post_recv(self.raw.as_ptr(), head, &mut bad) };
         if rc != 0 {
-            return Err(Error::Post {
-                verb: "ibv_post_recv",
+            return Err(Error::PostRecv {
                 index: batch.index_of(bad),
                 source: std::io::Error::from_raw_os_error(rc.abs()),
             });
