@@ -410,15 +410,15 @@ impl Engine {
         let cq = self.inner.cq.clone();
         let psn = (rand_u32() ^ self.inner.id as u32) & 0x00ff_ffff;
         let recv_len = (cfg.max_message as usize) * (cfg.recv_buffers as usize);
+        // The device's limits were queried when the engine opened.
+        let max_sge = 16.min(self.inner.device.max_sge);
         let (qp, ep, recv_buf) = glommio::executor()
             .spawn_blocking(move || -> Result<_, rixl_verbs::Error> {
                 let mut caps = QueuePairCapabilities::default();
                 caps.max_send_wr = cfg.send_queue_depth;
                 caps.max_recv_wr = cfg.recv_buffers;
-                caps.max_send_sge = 16;
+                caps.max_send_sge = max_sge;
                 caps.max_recv_sge = 1;
-                let dev = pd.context().query_device()?;
-                caps.max_send_sge = caps.max_send_sge.min(dev.max_sge);
                 let qp = QueuePair::new_rc(&pd, &cq, &cq, caps)?;
                 qp.to_init(&cfg.connect)?;
                 let ep = qp.endpoint(&cfg.connect, psn)?;
@@ -1296,19 +1296,17 @@ async fn progress(inner: Rc<Inner>) {
                 inner.expire_deadlines(now);
             }
         }
-        let idle = inner.state.borrow().inflight.signaled_outstanding() == 0
-            && inner
-                .state
-                .borrow()
-                .conns
-                .iter()
-                .all(|(_, c)| c.credits.is_idle());
-        let waiting_recv = inner
-            .state
-            .borrow()
-            .conns
-            .iter()
-            .any(|(_, c)| c.inbox_waiter.is_some() && c.status == ConnStatus::Ready);
+        // One borrow and one pass over the connections per empty poll.
+        let (idle, waiting_recv) = {
+            let st = inner.state.borrow();
+            let mut idle = st.inflight.signaled_outstanding() == 0;
+            let mut waiting_recv = false;
+            for (_, c) in st.conns.iter() {
+                idle &= c.credits.is_idle();
+                waiting_recv |= c.inbox_waiter.is_some() && c.status == ConnStatus::Ready;
+            }
+            (idle, waiting_recv)
+        };
         if idle && inner.shutdown.get() {
             tracing::info!(engine = inner.id, "progress task stopped");
             return;

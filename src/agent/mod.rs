@@ -487,11 +487,25 @@ impl Agent {
         notification: Option<&[u8]>,
     ) -> Result<TransferStats, AgentError> {
         let remote = self.inner.resolve(peer, remote)?;
+        self.post(peer, op, local.clone(), remote, notification)
+            .await
+    }
+
+    /// Connects lazily, runs the transfer, then sends the notification (after every descriptor
+    /// completed): the shared tail of [`Self::transfer`] and [`Self::transfer_indices`].
+    async fn post(
+        &self,
+        peer: &str,
+        op: Op,
+        local: LocalDescList,
+        remote: RemoteDescList,
+        notification: Option<&[u8]>,
+    ) -> Result<TransferStats, AgentError> {
         let conn = sidechannel::ensure_connection(&self.inner, peer).await?;
         let st = self
             .inner
             .engine
-            .transfer(conn, op, local.clone(), remote, TransferOptions::default())
+            .transfer(conn, op, local, remote, TransferOptions::default())
             .await?;
         if let Some(msg) = notification {
             self.notify_on(conn, msg).await?;
@@ -536,16 +550,7 @@ impl Agent {
         }
         let l = local.select(local_idx)?;
         let r = remote.select(remote_idx)?;
-        let conn = sidechannel::ensure_connection(&self.inner, &remote.peer).await?;
-        let st = self
-            .inner
-            .engine
-            .transfer(conn, op, l, r, TransferOptions::default())
-            .await?;
-        if let Some(msg) = notification {
-            self.notify_on(conn, msg).await?;
-        }
-        Ok(st)
+        self.post(&remote.peer, op, l, r, notification).await
     }
 
     /// Sends a standalone notification to `peer` (NIXL's `genNotif`).
