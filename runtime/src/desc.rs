@@ -3,17 +3,26 @@
 use std::fmt;
 use std::sync::Arc;
 
-use rixl_verbs::RegisteredBuffer;
+use rixl_verbs::{HostBuffer, RegisteredBuffer};
 
-/// Registered memory owned by an engine. Cheap to clone; the memory stays registered until the
-/// last clone is dropped **and** no in-flight transfer uses it (the in-flight table holds clones).
+/// Memory owned by an engine. Cheap to clone; the memory stays allocated (and registered) until
+/// the last clone is dropped **and** no in-flight transfer uses it (the in-flight table holds
+/// clones).
+///
+/// On a core with a NIC the memory is registered with it (RDMA and local tiers can use it); on a
+/// core without one it is plain page-aligned host memory that only local tiers (files) use.
 #[derive(Clone)]
 pub struct Region {
     inner: Arc<RegionInner>,
 }
 
+enum Memory {
+    Nic(RegisteredBuffer),
+    Host(HostBuffer),
+}
+
 struct RegionInner {
-    buf: RegisteredBuffer,
+    mem: Memory,
     engine: u64,
 }
 
@@ -23,31 +32,62 @@ impl fmt::Debug for Region {
             .field("addr", &format_args!("{:#x}", self.addr()))
             .field("len", &self.len())
             .field("rkey", &format_args!("{:#x}", self.rkey()))
+            .field("nic", &self.nic_buffer().is_some())
             .finish()
-    }
-}
-
-impl std::borrow::Borrow<RegisteredBuffer> for Region {
-    fn borrow(&self) -> &RegisteredBuffer {
-        &self.inner.buf
     }
 }
 
 impl Region {
     pub(crate) fn new(buf: RegisteredBuffer, engine: u64) -> Self {
         Region {
-            inner: Arc::new(RegionInner { buf, engine }),
+            inner: Arc::new(RegionInner {
+                mem: Memory::Nic(buf),
+                engine,
+            }),
+        }
+    }
+
+    pub(crate) fn host(buf: HostBuffer, engine: u64) -> Self {
+        Region {
+            inner: Arc::new(RegionInner {
+                mem: Memory::Host(buf),
+                engine,
+            }),
+        }
+    }
+
+    fn memory(&self) -> &HostBuffer {
+        match &self.inner.mem {
+            Memory::Nic(b) => b.memory(),
+            Memory::Host(b) => b,
+        }
+    }
+
+    /// The NIC registration, if the memory is registered with one.
+    pub fn nic_buffer(&self) -> Option<&RegisteredBuffer> {
+        match &self.inner.mem {
+            Memory::Nic(b) => Some(b),
+            Memory::Host(_) => None,
+        }
+    }
+
+    /// The NIC registration as a slice (empty for host memory), for the verbs layer's checked
+    /// posting: an SGE into host memory is then refused, never posted.
+    pub(crate) fn nic_slice(&self) -> &[RegisteredBuffer] {
+        match &self.inner.mem {
+            Memory::Nic(b) => std::slice::from_ref(b),
+            Memory::Host(_) => &[],
         }
     }
 
     /// Start address (the iova peers use).
     pub fn addr(&self) -> u64 {
-        self.inner.buf.addr()
+        self.memory().addr()
     }
 
     /// Length in bytes.
     pub fn len(&self) -> u64 {
-        self.inner.buf.len() as u64
+        self.memory().len() as u64
     }
 
     /// Whether the region is empty (never).
@@ -55,14 +95,15 @@ impl Region {
         false
     }
 
-    /// Local key.
+    /// Local key (0 for memory not registered with a NIC).
     pub fn lkey(&self) -> u32 {
-        self.inner.buf.lkey()
+        self.nic_buffer().map_or(0, RegisteredBuffer::lkey)
     }
 
-    /// Remote key, to give to peers that may access this region.
+    /// Remote key, to give to peers that may access this region (0 for memory not registered
+    /// with a NIC, which peers cannot reach).
     pub fn rkey(&self) -> u32 {
-        self.inner.buf.rkey()
+        self.nic_buffer().map_or(0, RegisteredBuffer::rkey)
     }
 
     /// A remote descriptor for `len` bytes at `offset`, as a peer would use it.
@@ -79,8 +120,7 @@ impl Region {
     /// # Errors
     /// If the range is outside the region.
     pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<(), rixl_verbs::Error> {
-        self.inner
-            .buf
+        self.memory()
             .write_at(usize::try_from(offset).unwrap_or(usize::MAX), src)
     }
 
@@ -89,12 +129,11 @@ impl Region {
     /// # Errors
     /// If the range is outside the region.
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), rixl_verbs::Error> {
-        self.inner
-            .buf
+        self.memory()
             .read_at(usize::try_from(offset).unwrap_or(usize::MAX), dst)
     }
 
-    /// Id of the engine (protection domain) this region is registered with.
+    /// Id of the engine (protection domain) this region belongs to.
     pub fn engine_id(&self) -> u64 {
         self.inner.engine
     }

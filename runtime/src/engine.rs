@@ -71,6 +71,11 @@ pub struct EngineConfig {
     /// Measure per-transfer prepare/post/total times in [`TransferStats`] (off by default: it
     /// reads the clock several times per transfer, which is costly on some clock sources).
     pub timing: bool,
+    /// Fail to start when no RDMA device can be opened (`false`: such a core still serves host
+    /// memory and the FILE tier; RDMA calls then fail with a typed error).
+    pub require_nic: bool,
+    /// The FILE tier's queue depth and I/O size.
+    pub file: crate::file::FileConfig,
 }
 
 impl Default for EngineConfig {
@@ -91,6 +96,8 @@ impl Default for EngineConfig {
             transfer_timeout: Duration::from_secs(30),
             recv_spin_polls: 50_000,
             timing: false,
+            require_nic: true,
+            file: crate::file::FileConfig::default(),
         }
     }
 }
@@ -270,6 +277,11 @@ pub(crate) struct Inner {
 
 static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
 
+/// A fresh engine id (also used by cores without a NIC, for their host regions).
+pub(crate) fn next_engine_id() -> u64 {
+    NEXT_ENGINE.fetch_add(1, Ordering::Relaxed)
+}
+
 /// A per-core transfer engine. Cheap to clone (all clones are the same engine); `!Send`.
 #[derive(Clone)]
 pub struct Engine {
@@ -298,7 +310,7 @@ impl Engine {
     /// # Errors
     /// [`RuntimeError::Verbs`] if the device cannot be opened or resources cannot be created.
     pub async fn open(cfg: EngineConfig) -> Result<Engine, RuntimeError> {
-        let id = NEXT_ENGINE.fetch_add(1, Ordering::Relaxed);
+        let id = next_engine_id();
         let c = cfg.clone();
         let (ctx, pd, cq, device, msg_buf) = glommio::executor()
             .spawn_blocking(move || -> Result<_, rixl_verbs::Error> {
@@ -445,7 +457,7 @@ impl Engine {
                 }],
             );
         }
-        qp.post_recv_in(&mut r, std::slice::from_ref(&recv_region))?;
+        qp.post_recv_in(&mut r, recv_region.nic_slice())?;
         st.qpn_to_conn.push((qp.qpn(), id));
         entry.insert(Conn {
             qp,
@@ -757,7 +769,7 @@ struct Job<'a> {
     slot: SlotId,
     plan: &'a Plan,
     notify_imm: Option<u32>,
-    regions: &'a [Region],
+    regions: &'a [&'a RegisteredBuffer],
 }
 
 /// Detaches a slot when the transfer future goes away before taking its result.
@@ -1067,9 +1079,7 @@ impl Inner {
                 lkey: c.recv_region.lkey(),
             }],
         );
-        if let Err(e) =
-            c.qp.post_recv_in(&mut r, std::slice::from_ref(&c.recv_region))
-        {
+        if let Err(e) = c.qp.post_recv_in(&mut r, c.recv_region.nic_slice()) {
             tracing::warn!(conn, error = %e, "reposting a receive failed");
         }
         drop(st);
@@ -1102,15 +1112,22 @@ async fn transfer_inner(
         (Arc::clone(&c.qp), c.max_msg)
     };
     let mut regions = Vec::with_capacity(local.regions().len());
+    let mut nic_buffers = Vec::with_capacity(local.regions().len());
     for (i, r) in local.regions().iter().enumerate() {
-        if r.engine_id() != inner.id {
-            let index = local
+        let index = || {
+            local
                 .descs()
                 .iter()
                 .position(|d| d.region as usize == i)
-                .unwrap_or(0);
-            return Err(InvalidDescriptor::ForeignRegion { index }.into());
+                .unwrap_or(0)
+        };
+        let Some(buf) = r.nic_buffer() else {
+            return Err(InvalidDescriptor::NotRegistered { index: index() }.into());
+        };
+        if r.engine_id() != inner.id {
+            return Err(InvalidDescriptor::ForeignRegion { index: index() }.into());
         }
+        nic_buffers.push(buf);
         regions.push(RegionInfo {
             addr: r.addr(),
             len: r.len(),
@@ -1151,7 +1168,7 @@ async fn transfer_inner(
         slot,
         plan: &plan,
         notify_imm: opts.notify_imm,
-        regions: local.regions(),
+        regions: &nic_buffers,
     };
     let batch = inner.cfg.post_batch.max(1) as usize;
     let mut next = 0usize;
@@ -1231,7 +1248,7 @@ async fn post_single(
             .ok_or_else(|| TransferError::Connection(conn.0, "unknown".into()))?;
         batch.clear();
         batch.push(slot.wr_id(true), op, &[sge], SendFlags::SIGNALED);
-        match c.qp.post_send_in(batch, std::slice::from_ref(&msg_region)) {
+        match c.qp.post_send_in(batch, msg_region.nic_slice()) {
             Ok(()) => {
                 c.credits.commit(c.credits.plan(1));
                 inflight.add_signaled(slot, 1);

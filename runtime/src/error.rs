@@ -56,6 +56,12 @@ pub enum InvalidDescriptor {
         /// Position in the list.
         index: usize,
     },
+    /// A local region is host memory not registered with a NIC (a core without one).
+    #[error("local descriptor {index} uses host memory that is not registered with a NIC")]
+    NotRegistered {
+        /// Position in the list.
+        index: usize,
+    },
 }
 
 /// Why a transfer failed.
@@ -100,6 +106,12 @@ pub enum TransferError {
     /// The engine that owns the connection has shut down.
     #[error("the engine has shut down")]
     EngineGone,
+    /// A FILE-tier transfer failed.
+    #[error(transparent)]
+    File(#[from] crate::file::FileError),
+    /// This core has no RDMA device (it serves host memory and files only).
+    #[error("no RDMA device on this engine's core")]
+    NoNic,
 }
 
 impl TransferError {
@@ -149,4 +161,10 @@ pub enum RuntimeError {
     /// The engine that owns the resource has shut down.
     #[error("the engine has shut down")]
     EngineGone,
+    /// A FILE-tier registration failed.
+    #[error(transparent)]
+    File(#[from] crate::file::FileError),
+    /// This core has no RDMA device (it serves host memory and files only).
+    #[error("no RDMA device on this engine's core")]
+    NoNic,
 }

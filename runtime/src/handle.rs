@@ -1,17 +1,21 @@
 //! A `Send` handle to an engine running on another core, and a pool of pinned engines.
 
+use std::rc::Rc;
 use std::thread;
+use std::time::Duration;
 
 use futures_channel::{mpsc, oneshot};
 use futures_lite::StreamExt;
 use glommio::{LocalExecutorBuilder, Placement};
-use rixl_verbs::Endpoint;
+use rixl_verbs::{Endpoint, HostBuffer};
 
 use crate::desc::{LocalDescList, Op, Region, RemoteDescList};
 use crate::engine::{
-    ConnId, Engine, EngineConfig, EngineCounters, Message, TransferOptions, TransferStats,
+    next_engine_id, ConnId, Engine, EngineConfig, EngineCounters, Message, TransferOptions,
+    TransferStats,
 };
 use crate::error::{RuntimeError, TransferError};
+use crate::file::{FileCounters, FileDesc, FileError, FileId, FileInfo, FileSpec, FileStore};
 
 type Reply<T> = oneshot::Sender<T>;
 
@@ -36,6 +40,17 @@ enum Command {
     Recv(ConnId, Reply<Result<Message, TransferError>>),
     Counters(Reply<(EngineCounters, usize)>),
     Close(ConnId, Reply<()>),
+    OpenFile(FileSpec, Reply<Result<FileInfo, FileError>>),
+    CloseFile(FileId),
+    FileTransfer {
+        file: FileId,
+        op: Op,
+        local: LocalDescList,
+        descs: Vec<FileDesc>,
+        timeout: Option<Duration>,
+        reply: Reply<Result<TransferStats, TransferError>>,
+    },
+    FileCounters(Reply<FileCounters>),
     Shutdown(Reply<()>),
 }
 
@@ -46,6 +61,7 @@ enum Command {
 pub struct EngineHandle {
     tx: mpsc::UnboundedSender<Command>,
     id: u64,
+    nic: bool,
 }
 
 async fn ask<T>(
@@ -61,6 +77,61 @@ impl EngineHandle {
     /// The engine's id.
     pub fn id(&self) -> u64 {
         self.id
+    }
+
+    /// Whether this core has an RDMA device (otherwise it serves host memory and files only).
+    pub fn has_nic(&self) -> bool {
+        self.nic
+    }
+
+    /// Opens and registers a file in this core's FILE tier; see [`FileStore::open`].
+    ///
+    /// # Errors
+    /// As [`FileStore::open`], or [`FileError::EngineGone`].
+    pub async fn open_file(&self, spec: FileSpec) -> Result<FileInfo, FileError> {
+        ask(&self.tx, |r| Command::OpenFile(spec, r))
+            .await
+            .unwrap_or(Err(FileError::EngineGone))
+    }
+
+    /// Forgets a file (closed once its in-flight I/Os are done).
+    pub fn close_file(&self, id: FileId) {
+        let _ = self.tx.unbounded_send(Command::CloseFile(id));
+    }
+
+    /// A FILE-tier transfer (`Op::Write`: memory to file); see [`FileStore::transfer`]. `timeout`
+    /// `None` uses the engine's `transfer_timeout`.
+    ///
+    /// # Errors
+    /// As [`FileStore::transfer`], or [`TransferError::EngineGone`].
+    pub async fn file_transfer(
+        &self,
+        file: FileId,
+        op: Op,
+        local: LocalDescList,
+        descs: Vec<FileDesc>,
+        timeout: Option<Duration>,
+    ) -> Result<TransferStats, TransferError> {
+        ask(&self.tx, |reply| Command::FileTransfer {
+            file,
+            op,
+            local,
+            descs,
+            timeout,
+            reply,
+        })
+        .await
+        .unwrap_or(Err(TransferError::EngineGone))
+    }
+
+    /// The FILE tier's counters.
+    ///
+    /// # Errors
+    /// [`RuntimeError::EngineGone`].
+    pub async fn file_counters(&self) -> Result<FileCounters, RuntimeError> {
+        ask(&self.tx, Command::FileCounters)
+            .await
+            .ok_or(RuntimeError::EngineGone)
     }
 
     /// See [`Engine::register`].
@@ -194,34 +265,67 @@ impl Engine {
     /// Serves a [`EngineHandle`]: returns the handle and the task future to spawn on this
     /// engine's executor (it ends on shutdown or when every handle is dropped).
     pub fn handle(&self) -> (EngineHandle, impl std::future::Future<Output = ()>) {
-        let (tx, rx) = mpsc::unbounded();
-        let handle = EngineHandle { tx, id: self.id() };
-        (handle, serve(self.clone(), rx))
+        serve_core(Some(self.clone()), self.id())
     }
 }
 
-async fn serve(engine: Engine, mut rx: mpsc::UnboundedReceiver<Command>) {
+/// Serves a core: its RDMA engine when it has one, host memory otherwise, and its FILE tier.
+fn serve_core(
+    engine: Option<Engine>,
+    id: u64,
+) -> (EngineHandle, impl std::future::Future<Output = ()>) {
+    let (tx, rx) = mpsc::unbounded();
+    let handle = EngineHandle {
+        tx,
+        id,
+        nic: engine.is_some(),
+    };
+    (handle, serve(engine, id, rx))
+}
+
+fn spawn(f: impl std::future::Future<Output = ()> + 'static) {
+    glommio::spawn_local(f).detach();
+}
+
+/// The answer of an RDMA command on a core without a NIC.
+fn no_nic<T>(r: Reply<Result<T, RuntimeError>>) {
+    let _ = r.send(Err(RuntimeError::NoNic));
+}
+
+async fn serve(engine: Option<Engine>, id: u64, mut rx: mpsc::UnboundedReceiver<Command>) {
+    let cfg = engine
+        .as_ref()
+        .map_or_else(EngineConfig::default, |e| e.config().clone());
+    let files = Rc::new(FileStore::new(cfg.file));
     while let Some(cmd) = rx.next().await {
         let e = engine.clone();
         match cmd {
             Command::Register(len, r) => {
                 glommio::spawn_local(async move {
-                    let _ = r.send(e.register(len).await);
+                    let res = match e {
+                        Some(e) => e.register(len).await,
+                        None => glommio::executor()
+                            .spawn_blocking(move || HostBuffer::new(len))
+                            .await
+                            .map(|b| Region::host(b, id))
+                            .map_err(RuntimeError::from),
+                    };
+                    let _ = r.send(res);
                 })
                 .detach();
             }
-            Command::Prepare(r) => {
-                glommio::spawn_local(async move {
+            Command::Prepare(r) => match e {
+                Some(e) => spawn(async move {
                     let _ = r.send(e.prepare_connection().await);
-                })
-                .detach();
-            }
-            Command::Complete(c, ep, r) => {
-                glommio::spawn_local(async move {
+                }),
+                None => no_nic(r),
+            },
+            Command::Complete(c, ep, r) => match e {
+                Some(e) => spawn(async move {
                     let _ = r.send(e.complete_connection(c, ep).await);
-                })
-                .detach();
-            }
+                }),
+                None => no_nic(r),
+            },
             Command::Transfer {
                 conn,
                 op,
@@ -229,36 +333,75 @@ async fn serve(engine: Engine, mut rx: mpsc::UnboundedReceiver<Command>) {
                 remote,
                 opts,
                 reply,
-            } => {
-                glommio::spawn_local(async move {
+            } => match e {
+                Some(e) => spawn(async move {
                     let _ = reply.send(e.transfer(conn, op, &local, &remote, opts).await);
-                })
-                .detach();
-            }
-            Command::Send(c, m, imm, r) => {
-                glommio::spawn_local(async move {
+                }),
+                None => {
+                    let _ = reply.send(Err(TransferError::NoNic));
+                }
+            },
+            Command::Send(c, m, imm, r) => match e {
+                Some(e) => spawn(async move {
                     let _ = r.send(e.send(c, &m, imm).await);
-                })
-                .detach();
-            }
-            Command::Recv(c, r) => {
-                glommio::spawn_local(async move {
+                }),
+                None => {
+                    let _ = r.send(Err(TransferError::NoNic));
+                }
+            },
+            Command::Recv(c, r) => match e {
+                Some(e) => spawn(async move {
                     let _ = r.send(e.recv(c).await);
-                })
-                .detach();
-            }
+                }),
+                None => {
+                    let _ = r.send(Err(TransferError::NoNic));
+                }
+            },
             Command::Counters(r) => {
-                let _ = r.send((e.counters(), e.inflight()));
+                let _ = r.send(e.map_or((EngineCounters::default(), 0), |e| {
+                    (e.counters(), e.inflight())
+                }));
             }
-            Command::Close(c, r) => {
-                glommio::spawn_local(async move {
+            Command::Close(c, r) => match e {
+                Some(e) => spawn(async move {
                     e.close_connection(c).await;
                     let _ = r.send(());
+                }),
+                None => {
+                    let _ = r.send(());
+                }
+            },
+            Command::OpenFile(spec, r) => {
+                let f = Rc::clone(&files);
+                glommio::spawn_local(async move {
+                    let _ = r.send(f.open(&spec).await);
                 })
                 .detach();
             }
+            Command::CloseFile(id) => files.close(id),
+            Command::FileTransfer {
+                file,
+                op,
+                local,
+                descs,
+                timeout,
+                reply,
+            } => {
+                let f = Rc::clone(&files);
+                let timeout = timeout.unwrap_or(cfg.transfer_timeout);
+                glommio::spawn_local(async move {
+                    let _ = reply.send(f.transfer(file, op, &local, &descs, timeout).await);
+                })
+                .detach();
+            }
+            Command::FileCounters(r) => {
+                let _ = r.send(files.counters());
+            }
             Command::Shutdown(r) => {
-                engine.clone().shutdown().await;
+                files.close_all().await;
+                if let Some(e) = engine {
+                    e.shutdown().await;
+                }
                 let _ = r.send(());
                 return;
             }
@@ -300,9 +443,20 @@ impl EnginePool {
                 .name(&format!("rixl-engine-{i}"))
                 .io_memory(io_memory)
                 .spawn(move || async move {
+                    let require = cfg.require_nic;
                     match Engine::open(cfg).await {
                         Ok(engine) => {
                             let (handle, serve) = engine.handle();
+                            let _ = ready_tx.send(Ok(handle));
+                            serve.await;
+                        }
+                        Err(RuntimeError::Verbs(e))
+                            if !require
+                                && (e.is_no_device()
+                                    || matches!(e, rixl_verbs::Error::GetDeviceList(_))) =>
+                        {
+                            tracing::info!(cpu, error = %e, "no RDMA device: host memory and files only");
+                            let (handle, serve) = serve_core(None, next_engine_id());
                             let _ = ready_tx.send(Ok(handle));
                             serve.await;
                         }

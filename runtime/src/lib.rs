@@ -4,11 +4,15 @@
 pub mod credits;
 pub mod desc;
 pub mod error;
+pub mod file;
 pub mod inflight;
 pub mod plan;
 
 pub use desc::{LocalDesc, LocalDescList, Op, Region, RemoteDesc, RemoteDescList};
 pub use error::{InvalidDescriptor, RuntimeError, TransferError};
+pub use file::{
+    FileConfig, FileCounters, FileDesc, FileError, FileId, FileInfo, FileMode, FileSpec, FileStore,
+};
 pub mod engine;
 
 pub use engine::{

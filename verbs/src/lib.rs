@@ -13,6 +13,7 @@ mod context;
 mod cq;
 mod device;
 mod error;
+mod host;
 mod mr;
 mod pd;
 mod qp;
@@ -29,7 +30,8 @@ pub use context::{Context, DeviceAttributes, Gid, LinkLayer, Mtu, PortAttributes
 pub use cq::CompletionQueue;
 pub use device::{Device, DeviceList};
 pub use error::{Error, Result};
-pub use mr::{AccessFlags, MemoryRegion, RegisteredBuffer, BUFFER_ALIGN};
+pub use host::{HostBuffer, BUFFER_ALIGN};
+pub use mr::{AccessFlags, MemoryRegion, RegisteredBuffer};
 pub use pd::ProtectionDomain;
 pub use qp::{ConnectOptions, Endpoint, QueuePair, QueuePairCapabilities, QueuePairState};
 pub use wc::{WcOpcode, WcStatus, WorkCompletion};

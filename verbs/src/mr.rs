@@ -1,12 +1,12 @@
 //! Memory regions: caller memory registered with the NIC, and owned registered buffers.
 
-use std::alloc::{self, Layout};
 use std::fmt;
 use std::mem::ManuallyDrop;
 use std::ops::BitOr;
 use std::ptr::NonNull;
 
 use crate::error::{Error, Result};
+use crate::host::HostBuffer;
 use crate::pd::ProtectionDomain;
 use crate::sys;
 
@@ -195,21 +195,16 @@ impl Drop for MemoryRegion {
     }
 }
 
-/// Page-aligned, zero-initialised heap memory registered with the NIC, owned by this value.
+/// Page-aligned, zero-initialised heap memory registered with the NIC, owned by this value: a
+/// [`HostBuffer`] and its [`MemoryRegion`].
 ///
 /// The region is deregistered before the memory is freed. Keep the buffer alive while work
 /// requests that reference it are outstanding (the runtime's in-flight table does this).
 pub struct RegisteredBuffer {
-    // Deregistered explicitly in `Drop`, before the memory is freed.
+    // Deregistered explicitly in `Drop`, before `mem` (a later field) is freed.
     mr: ManuallyDrop<MemoryRegion>,
-    ptr: NonNull<u8>,
-    layout: Layout,
+    mem: HostBuffer,
 }
-
-// SAFETY: the buffer exclusively owns its allocation; the region is Send.
-unsafe impl Send for RegisteredBuffer {}
-// SAFETY: shared access only reads through `&self`; mutation needs `&mut self`.
-unsafe impl Sync for RegisteredBuffer {}
 
 impl fmt::Debug for RegisteredBuffer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -219,9 +214,6 @@ impl fmt::Debug for RegisteredBuffer {
     }
 }
 
-/// Alignment of [`RegisteredBuffer`] allocations.
-pub const BUFFER_ALIGN: usize = 4096;
-
 impl RegisteredBuffer {
     /// Allocates `len` zeroed bytes (page aligned) and registers them.
     ///
@@ -229,35 +221,31 @@ impl RegisteredBuffer {
     /// [`Error::InvalidArgument`] for zero length, the failing verb's error variant if allocation or registration
     /// fails.
     pub fn new(pd: &ProtectionDomain, len: usize, access: AccessFlags) -> Result<Self> {
-        if len == 0 {
-            return Err(Error::InvalidArgument("buffer length must be > 0".into()));
-        }
-        let layout = Layout::from_size_align(len, BUFFER_ALIGN)
-            .map_err(|e| Error::InvalidArgument(format!("buffer of {len} bytes: {e}")))?;
-        // SAFETY: the layout has non-zero size.
-        let ptr = NonNull::new(unsafe { alloc::alloc_zeroed(layout) }).ok_or(
-            Error::OutOfMemory(std::io::Error::from(std::io::ErrorKind::OutOfMemory)),
-        )?;
-        // SAFETY: the allocation is owned by the returned value and freed only after `mr` is
-        // deregistered (see `Drop`), so it outlives the registration.
-        let mr = match unsafe { MemoryRegion::register_raw(pd, ptr.as_ptr(), len, access) } {
-            Ok(mr) => mr,
-            Err(e) => {
-                // SAFETY: allocated above with the same layout and not registered.
-                unsafe { alloc::dealloc(ptr.as_ptr(), layout) };
-                return Err(e);
-            }
-        };
+        Self::register(pd, HostBuffer::new(len)?, access)
+    }
+
+    /// Registers memory this value will own.
+    ///
+    /// # Errors
+    /// [`Error::RegisterMemory`] if registration fails (the memory is then freed).
+    pub fn register(pd: &ProtectionDomain, mem: HostBuffer, access: AccessFlags) -> Result<Self> {
+        // SAFETY: `mem` is owned by the returned value and freed only after `mr` is deregistered
+        // (see `Drop`), so the allocation outlives the registration.
+        let mr = unsafe { MemoryRegion::register_raw(pd, mem.as_ptr(), mem.len(), access) }?;
         Ok(RegisteredBuffer {
             mr: ManuallyDrop::new(mr),
-            ptr,
-            layout,
+            mem,
         })
     }
 
     /// The memory region.
     pub fn region(&self) -> &MemoryRegion {
         &self.mr
+    }
+
+    /// The registered memory.
+    pub fn memory(&self) -> &HostBuffer {
+        &self.mem
     }
 
     /// Start address.
@@ -288,71 +276,40 @@ impl RegisteredBuffer {
     /// The contents. Do not rely on them while a transfer (or a peer with remote write access)
     /// may be writing the buffer.
     pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: `ptr` is a live, initialised allocation of `len` bytes owned by `self`.
-        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len()) }
+        self.mem.as_slice()
     }
 
     /// The contents, mutably. Do not write while a transfer may be reading the buffer.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`, and `&mut self` gives exclusive access on the CPU side.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len()) }
+        self.mem.as_mut_slice()
     }
 
-    /// Copies `src` into the buffer at `offset`, through a raw pointer (no reference to the
-    /// buffer is formed, so this may be used while the buffer is shared).
+    /// See [`HostBuffer::write_at`].
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] if the range is outside the buffer.
     pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
-        self.check_range(offset, src.len())?;
-        // SAFETY: the range is inside the live allocation (checked); `src` cannot overlap it since
-        // it is a separate Rust borrow; concurrent NIC access is the caller's protocol concern, as
-        // for any DMA memory.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.as_ptr().add(offset), src.len())
-        };
-        Ok(())
+        self.mem.write_at(offset, src)
     }
 
-    /// Copies `dst.len()` bytes starting at `offset` out of the buffer.
+    /// See [`HostBuffer::read_at`].
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] if the range is outside the buffer.
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        self.check_range(offset, dst.len())?;
-        // SAFETY: as in `write_at`, with source and destination swapped.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.ptr.as_ptr().add(offset),
-                dst.as_mut_ptr(),
-                dst.len(),
-            )
-        };
-        Ok(())
-    }
-
-    fn check_range(&self, offset: usize, len: usize) -> Result<()> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len() => Ok(()),
-            _ => Err(Error::InvalidArgument(format!(
-                "range {offset}+{len} outside a buffer of {} bytes",
-                self.len()
-            ))),
-        }
+        self.mem.read_at(offset, dst)
     }
 
     /// Raw pointer to the start.
     pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
+        self.mem.as_ptr()
     }
 }
 
 impl Drop for RegisteredBuffer {
     fn drop(&mut self) {
-        // SAFETY: `mr` is dropped exactly once, here, and never used again.
+        // SAFETY: `mr` is dropped exactly once, here, and never used again; `mem` is freed after
+        // this returns (field drop), when the NIC can no longer address it.
         unsafe { ManuallyDrop::drop(&mut self.mr) };
-        // SAFETY: allocated in `RegisteredBuffer::new` with this layout; the region covering it
-        // was deregistered just above, so the NIC can no longer address it.
-        unsafe { alloc::dealloc(self.ptr.as_ptr(), self.layout) };
     }
 }
