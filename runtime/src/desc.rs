@@ -56,6 +56,18 @@ impl Region {
         }
     }
 
+    /// `len` bytes of zeroed, page-aligned host memory registered with no NIC: for local tiers
+    /// (files) on any core. RDMA transfers refuse it ([`crate::InvalidDescriptor::NotRegistered`]).
+    ///
+    /// # Errors
+    /// If `len` is zero or the allocation fails.
+    pub fn unregistered(len: usize) -> Result<Region, rixl_verbs::Error> {
+        Ok(Region::host(
+            HostBuffer::new(len)?,
+            crate::engine::next_engine_id(),
+        ))
+    }
+
     fn memory(&self) -> &HostBuffer {
         match &self.inner.mem {
             Memory::Nic(b) => b.memory(),

@@ -5,10 +5,12 @@
 //! rixl-perf write_bw -d rxe0 -x 1 -a            # server
 //! rixl-perf write_bw -d rxe0 -x 1 -a 127.0.0.1  # client: prints perftest's columns
 //! rixl-perf sweep --help                        # nixlbench-style block x batch sweep
+//! rixl-perf file --help                         # fio-style FILE tier benchmark
 //! ```
 #![forbid(unsafe_code)]
 
 mod args;
+mod file;
 mod oob;
 mod stats;
 mod sweep;
@@ -81,9 +83,18 @@ fn on_core<T: Send + 'static>(
     cpu: usize,
     f: impl FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = T>>> + Send + 'static,
 ) -> Res<T> {
-    rixl::runtime::preflight::check(1, DEFAULT_IO_MEMORY).map_err(s)?;
+    on_core_with(cpu, DEFAULT_IO_MEMORY, f)
+}
+
+/// [`on_core`] with `io_memory` bytes of glommio I/O memory.
+fn on_core_with<T: Send + 'static>(
+    cpu: usize,
+    io_memory: usize,
+    f: impl FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = T>>> + Send + 'static,
+) -> Res<T> {
+    rixl::runtime::preflight::check(1, io_memory).map_err(s)?;
     LocalExecutorBuilder::new(Placement::Fixed(cpu))
-        .io_memory(DEFAULT_IO_MEMORY)
+        .io_memory(io_memory)
         .spawn(f)
         .map_err(s)?
         .join()
@@ -601,6 +612,9 @@ fn banner(a: &Args) {
 fn run(argv: &[String]) -> Res<()> {
     if argv.first().map(String::as_str) == Some("sweep") {
         return sweep::main(&argv[1..]);
+    }
+    if argv.first().map(String::as_str) == Some("file") {
+        return file::main(&argv[1..]);
     }
     let a = args::parse(argv)?;
     let ncpu = rixl::runtime::available_cpus().len();
