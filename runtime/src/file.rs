@@ -486,7 +486,8 @@ impl Job {
                 self.count(|c| c.bytes_written += io.len);
             }
             Op::Read => {
-                let aligned = io.offset % f.alignment == 0 && io.len % f.alignment == 0;
+                let aligned =
+                    io.offset.is_multiple_of(f.alignment) && io.len.is_multiple_of(f.alignment);
                 let res = if aligned {
                     f.dma.read_at_aligned(io.offset, len).await
                 } else {
@@ -788,10 +789,9 @@ impl FileStore {
         let mut merged = 0u64;
         let ios = plan_ios(descs, self.cfg.max_io, &mut merged);
         if op == Op::Write {
-            if let Some(io) = ios
-                .iter()
-                .find(|io| io.offset % file.alignment != 0 || io.len % file.alignment != 0)
-            {
+            if let Some(io) = ios.iter().find(|io| {
+                !io.offset.is_multiple_of(file.alignment) || !io.len.is_multiple_of(file.alignment)
+            }) {
                 return Err(FileError::Unaligned {
                     index: io.first_desc,
                     offset: io.offset,
@@ -841,15 +841,14 @@ impl FileStore {
             None
         };
         match futures_lite::future::or(finished, expired).await {
-            Some(Ok(None)) => {
-                let mut st = crate::TransferStats::default();
-                st.bytes = file_total;
-                st.descriptors = local.len();
-                st.work_requests = n_ios;
-                st.prepare = prepare;
-                st.total = t0.elapsed();
-                Ok(st)
-            }
+            Some(Ok(None)) => Ok(crate::TransferStats {
+                bytes: file_total,
+                descriptors: local.len(),
+                work_requests: n_ios,
+                prepare,
+                total: t0.elapsed(),
+                ..crate::TransferStats::default()
+            }),
             Some(Ok(Some(e))) => Err(e.into()),
             Some(Err(_)) => Err(FileError::EngineGone.into()),
             None => {

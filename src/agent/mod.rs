@@ -19,8 +19,9 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use futures_channel::mpsc;
 
 use crate::runtime::{
-    ConnId, EngineConfig, EngineHandle, EnginePool, LocalDescList, Message, Op, Region, RemoteDesc,
-    RemoteDescList, RuntimeError, TransferError, TransferOptions, TransferStats, DEFAULT_IO_MEMORY,
+    ConnId, EngineConfig, EngineHandle, EnginePool, FileDesc, FileError, FileInfo, FileSpec,
+    LocalDescList, Message, Op, Region, RemoteDesc, RemoteDescList, RuntimeError, TransferError,
+    TransferOptions, TransferStats, DEFAULT_IO_MEMORY,
 };
 use metadata::{AgentMetadata, MemKind, MetadataError, RegionInfo};
 
@@ -79,6 +80,9 @@ pub enum AgentError {
     /// A notification is larger than the engine's message size.
     #[error("notification of {0} bytes exceeds the message size")]
     NotificationTooLarge(usize),
+    /// A FILE registration failed.
+    #[error(transparent)]
+    File(#[from] FileError),
 }
 
 /// A notification: the sending agent's name and the message.
@@ -182,6 +186,9 @@ pub struct AgentConfig {
     pub engine: EngineConfig,
     /// CPU of the agent's engine.
     pub cpu: usize,
+    /// glommio I/O memory of the engine's core (locked; the FILE tier stages its I/O there and
+    /// falls back to the heap when it is full).
+    pub io_memory: usize,
 }
 
 impl Default for AgentConfig {
@@ -189,6 +196,7 @@ impl Default for AgentConfig {
         AgentConfig {
             engine: EngineConfig::from_env(),
             cpu: 0,
+            io_memory: DEFAULT_IO_MEMORY,
         }
     }
 }
@@ -276,6 +284,60 @@ impl Registration {
     }
 }
 
+/// A registered file (FILE memory, a local tier). The file is closed when the last handle is
+/// dropped and no transfer uses it any more.
+#[derive(Clone)]
+pub struct FileRegistration {
+    inner: Arc<FileRegInner>,
+}
+
+struct FileRegInner {
+    info: FileInfo,
+    path: std::path::PathBuf,
+    engine: EngineHandle,
+}
+
+impl Drop for FileRegInner {
+    fn drop(&mut self) {
+        self.engine.close_file(self.info.id);
+    }
+}
+
+impl std::fmt::Debug for FileRegistration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FileRegistration")
+            .field("path", &self.inner.path)
+            .field("info", &self.inner.info)
+            .finish()
+    }
+}
+
+impl FileRegistration {
+    fn id(&self) -> crate::runtime::FileId {
+        self.inner.info.id
+    }
+
+    /// Registered size in bytes.
+    pub fn size(&self) -> u64 {
+        self.inner.info.size
+    }
+
+    /// Writes must start and end on multiples of this (the device's O_DIRECT block size).
+    pub fn alignment(&self) -> u64 {
+        self.inner.info.alignment
+    }
+
+    /// Whether I/O bypasses the page cache (false on tmpfs).
+    pub fn direct(&self) -> bool {
+        self.inner.info.direct
+    }
+
+    /// The path.
+    pub fn path(&self) -> &std::path::Path {
+        &self.inner.path
+    }
+}
+
 /// The agent. `Send + Sync`; clone it freely.
 #[derive(Clone)]
 pub struct Agent {
@@ -296,7 +358,7 @@ impl Agent {
     /// # Errors
     /// [`AgentError::Runtime`] if the engine cannot start (no device, memlock, ...).
     pub fn new(name: &str, cfg: AgentConfig) -> Result<Agent, AgentError> {
-        let pool = EnginePool::start(&cfg.engine, &[cfg.cpu], DEFAULT_IO_MEMORY)?;
+        let pool = EnginePool::start(&cfg.engine, &[cfg.cpu], cfg.io_memory)?;
         let engine = pool.handles()[0].clone();
         let (notif_tx, notif_rx) = mpsc::unbounded();
         let generation = std::time::SystemTime::now()
@@ -323,6 +385,83 @@ impl Agent {
     /// The agent's name.
     pub fn name(&self) -> &str {
         &self.inner.name
+    }
+
+    /// Whether the agent's core has an RDMA device. Without one (`engine.require_nic = false` on
+    /// a machine without RDMA) it registers host memory and files, and peers cannot reach it.
+    pub fn has_nic(&self) -> bool {
+        self.inner.engine.has_nic()
+    }
+
+    /// Registers a file as FILE memory (a local tier): opened with O_DIRECT on the agent's core;
+    /// the create modes reserve `spec.size` bytes up front. Its descriptors are
+    /// [`FileDesc`]s (offset, length) inside `spec.size`.
+    ///
+    /// # Errors
+    /// [`AgentError::File`] (not found, exists, too small, no space, ...).
+    pub async fn register_file(&self, spec: FileSpec) -> Result<FileRegistration, AgentError> {
+        let path = spec.path.clone();
+        let info = self.inner.engine.open_file(spec).await?;
+        tracing::debug!(agent = %self.inner.name, path = %path.display(), size = info.size, "file registered");
+        Ok(FileRegistration {
+            inner: Arc::new(FileRegInner {
+                info,
+                path,
+                engine: self.inner.engine.clone(),
+            }),
+        })
+    }
+
+    /// Copies `local` (DRAM) into the file at `file_descs` (paired in order, same total length).
+    /// Adjacent file descriptors are merged into larger I/Os; writes must be aligned to
+    /// [`FileRegistration::alignment`] after merging.
+    ///
+    /// # Errors
+    /// [`AgentError::Transfer`] with an invalid descriptor or a [`FileError`] (unaligned, out of
+    /// range, deleted file, no space, ...), or a timeout.
+    pub async fn write_file(
+        &self,
+        local: &LocalDescList,
+        file: &FileRegistration,
+        file_descs: &[FileDesc],
+    ) -> Result<TransferStats, AgentError> {
+        self.transfer_file(Op::Write, local, file, file_descs, None)
+            .await
+    }
+
+    /// Reads the file at `file_descs` into `local` (any alignment).
+    ///
+    /// # Errors
+    /// As [`Self::write_file`], and [`FileError::ShortRead`] for a file truncated after it was
+    /// registered.
+    pub async fn read_file(
+        &self,
+        local: &LocalDescList,
+        file: &FileRegistration,
+        file_descs: &[FileDesc],
+    ) -> Result<TransferStats, AgentError> {
+        self.transfer_file(Op::Read, local, file, file_descs, None)
+            .await
+    }
+
+    /// A FILE transfer (`Op::Write`: memory to file) with an optional deadline (default: the
+    /// engine's `transfer_timeout`).
+    ///
+    /// # Errors
+    /// As [`Self::write_file`].
+    pub async fn transfer_file(
+        &self,
+        op: Op,
+        local: &LocalDescList,
+        file: &FileRegistration,
+        file_descs: &[FileDesc],
+        timeout: Option<std::time::Duration>,
+    ) -> Result<TransferStats, AgentError> {
+        Ok(file
+            .inner
+            .engine
+            .file_transfer(file.id(), op, local.clone(), file_descs.to_vec(), timeout)
+            .await?)
     }
 
     /// Registers `len` bytes of DRAM (zeroed), visible per `visibility`.
@@ -588,7 +727,8 @@ impl Inner {
     fn metadata_for(&self, reader: &str) -> AgentMetadata {
         let regions = lock(&self.regs)
             .iter()
-            .filter(|(_, r)| r.visibility.allows(reader))
+            // Host memory of a core without a NIC is not reachable by peers.
+            .filter(|(_, r)| r.region.nic_buffer().is_some() && r.visibility.allows(reader))
             .map(|(&id, r)| RegionInfo {
                 id,
                 addr: r.region.addr(),

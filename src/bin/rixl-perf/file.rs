@@ -111,7 +111,7 @@ fn parse(argv: &[String]) -> Res<FileArgs> {
     if a.path.as_os_str().is_empty() {
         return Err(format!("--filename is required\n{USAGE}"));
     }
-    if a.bs == 0 || a.bs % 4096 != 0 {
+    if a.bs == 0 || !a.bs.is_multiple_of(4096) {
         return Err("--bs must be a positive multiple of 4096 (O_DIRECT)".into());
     }
     if a.size < a.bs || a.iodepth == 0 || a.batch == 0 {
