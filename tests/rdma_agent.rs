@@ -479,6 +479,27 @@ fn the_weight_stream_example_serves_two_actors() {
     report(text.lines().last().unwrap_or_default());
 }
 
+#[test]
+fn the_remote_tier_example_loads_another_agents_file_over_rdma() {
+    if agent_device().is_none() {
+        return;
+    }
+    let dir = std::env::temp_dir();
+    let out = std::process::Command::new(example("remote_tier"))
+        .args(["--requests", "10", "--per-request", "8", "--blocks", "64"])
+        .args(["--dir", dir.to_str().expect("utf-8 temp dir")])
+        .output()
+        .expect("remote_tier runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "remote_tier failed: {text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("(served 10); verified 80 blocks"), "{text}");
+    report(text.lines().last().unwrap_or_default());
+}
+
 fn agent_device() -> Option<()> {
     require_or_skip("kv_transfer example", || {
         rixl::verbs::DeviceList::new().and_then(|l| l.find(None).map(|_| ()))
