@@ -182,7 +182,53 @@ fn rixl_topo_and_info_never_fail_without_hardware() {
         );
     }
     let out = Command::new(RIXL).arg("topo").output().expect("rixl topo");
-    assert!(String::from_utf8_lossy(&out.stdout).contains("NUMA nodes:"));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("NUMA node(s)") && text.contains("NUMA 0: CPUs"),
+        "{text}"
+    );
+    if device().is_some() {
+        // In the guest: the software NIC is in the model and carries host memory's path.
+        let dev = std::env::var("RIXL_RDMA_DEVICE").unwrap_or_else(|_| "rxe0".into());
+        assert!(text.contains(&format!("RDMA on {dev}")), "{text}");
+        assert!(text.contains("(software)"), "{text}");
+    }
     let bad = Command::new(RIXL).arg("frobnicate").output().expect("rixl");
     assert!(!bad.status.success());
+}
+
+#[test]
+fn rixl_topo_reads_an_hwloc_export_and_prints_matrix_and_paths() {
+    let xml = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/topology/tests/fixtures/dgx-a100-like.xml"
+    );
+    let out = Command::new(RIXL)
+        .args(["topo", "--xml", xml])
+        .output()
+        .expect("rixl topo --xml");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(text.contains("8 GPU(s), 8 RDMA NIC(s)"), "{text}");
+    let row = text
+        .lines()
+        .find(|l| l.starts_with("GPU3 "))
+        .expect("GPU3 row");
+    let cells: Vec<&str> = row.split_whitespace().collect();
+    // GPU3's row: GPU0..GPU7 then mlx5_0..mlx5_7, NUMA, PCI.
+    assert_eq!(
+        &cells[1..9],
+        ["NODE", "NODE", "PIX", "X", "SYS", "SYS", "SYS", "SYS"]
+    );
+    assert_eq!(&cells[9..13], ["NODE", "NODE", "PIX", "PIX"]);
+    assert!(
+        text.contains("GPU3 memory      GPUDirect RDMA on mlx5_3 (PIX)  rails [mlx5_3 mlx5_2]"),
+        "{text}"
+    );
+    assert!(text.contains("host NUMA 1      RDMA on mlx5_4"), "{text}");
+    let missing = Command::new(RIXL)
+        .args(["topo", "--xml", "/nonexistent.xml"])
+        .output()
+        .expect("rixl");
+    assert!(!missing.status.success());
 }

@@ -2,12 +2,14 @@
 //!
 //! ```text
 //! rixl info   # RDMA devices, ports, GIDs and limits; GPU backends available (CUDA, NVML)
-//! rixl topo   # NUMA nodes and RDMA NICs with their PCI addresses and NUMA affinity
+//! rixl topo   # GPU/NIC/NUMA matrix (like `nvidia-smi topo -m`) and the path rixl picks per memory
+//! rixl topo --xml FILE   # the same for another machine's hwloc XML export
 //! ```
 #![forbid(unsafe_code)]
 
 use std::path::Path;
 
+use rixl::topology::{GpuLink, Machine, MemoryLocation, Path as TopoPath, PciPlace, Place};
 use rixl::verbs::{DeviceList, LinkLayer};
 
 fn info() -> Result<(), String> {
@@ -95,36 +97,191 @@ fn info() -> Result<(), String> {
     Ok(())
 }
 
-fn topo() -> Result<(), String> {
-    let sys = Path::new("/sys");
-    println!("NUMA nodes:");
-    for n in rixl::topology::numa_nodes(sys) {
-        println!("  node{}: {} CPUs {:?}", n.id, n.cpus.len(), n.cpus);
+fn topo(args: &[String]) -> Result<(), String> {
+    let m = match args.iter().position(|a| a == "--xml") {
+        Some(i) => {
+            let f = args.get(i + 1).ok_or("--xml needs a file")?;
+            rixl::topology::hwloc::from_xml_file(Path::new(f)).map_err(|e| e.to_string())?
+        }
+        None => rixl::machine::discover(),
+    };
+    print!("{}", topo_report(&m));
+    Ok(())
+}
+
+/// `nvidia-smi topo -m`-style matrix of GPUs and NICs, then the path rixl picks for each memory
+/// location (to another node, and between GPUs of this node).
+fn topo_report(m: &Machine) -> String {
+    use std::fmt::Write;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "machine {}: {} NUMA node(s), {} GPU(s), {} RDMA NIC(s), {} PCI bridge(s)",
+        if m.host.is_empty() { "?" } else { &m.host },
+        m.numa.len(),
+        m.gpus.len(),
+        m.nics.len(),
+        m.bridges.len()
+    );
+    for n in &m.numa {
+        let _ = writeln!(o, "  NUMA {}: CPUs {}", n.id, cpu_ranges(&n.cpus));
     }
-    println!("RDMA NICs:");
-    let nics = rixl::topology::rdma_nics(sys);
-    if nics.is_empty() {
-        println!("  none (no /sys/class/infiniband: kernel without RDMA support?)");
+    let devs: Vec<(String, &PciPlace)> = m
+        .gpus
+        .iter()
+        .map(|g| (format!("GPU{}", g.index), &g.pci))
+        .chain(m.nics.iter().map(|n| (n.name.clone(), &n.pci)))
+        .collect();
+    if devs.is_empty() {
+        let _ = writeln!(
+            o,
+            "no GPUs or RDMA NICs: transfers to other nodes have no path"
+        );
+        return o;
     }
-    for nic in nics {
-        println!(
-            "  {:<10} PCI {:<14} NUMA {:<4} ports {} netdevs {:?}",
-            nic.name,
-            nic.pci_address.as_deref().unwrap_or("(software)"),
-            nic.numa_node.map_or("-".into(), |n| n.to_string()),
-            nic.ports,
-            nic.netdevs
+    let w = devs.iter().map(|d| d.0.len()).max().unwrap_or(4).max(5) + 1;
+    let _ = write!(o, "\n{:w$}", "");
+    for (name, _) in &devs {
+        let _ = write!(o, "{name:>w$}");
+    }
+    let _ = writeln!(o, "  {:>6}  PCI", "NUMA");
+    for (i, (name, a)) in devs.iter().enumerate() {
+        let _ = write!(o, "{name:w$}");
+        for (j, (_, b)) in devs.iter().enumerate() {
+            let cell = match (m.gpus.get(i), m.gpus.get(j)) {
+                (Some(x), Some(y)) if i != j => match m.gpu_link(x.index, y.index) {
+                    Some(GpuLink::NvLink(n)) => format!("NV{n}"),
+                    _ => m.relation(a, b).to_string(),
+                },
+                _ => m.relation(a, b).to_string(),
+            };
+            let _ = write!(o, "{cell:>w$}");
+        }
+        let _ = writeln!(
+            o,
+            "  {:>6}  {}",
+            a.numa.map_or("-".into(), |n| n.to_string()),
+            if a.address.is_empty() {
+                "(software)"
+            } else {
+                &a.address
+            }
         );
     }
-    Ok(())
+    let _ = writeln!(
+        o,
+        "\nLegend: X same, NV# NVLink, PIX one PCIe switch, PXB several PCIe bridges, PHB host bridge, NODE across host bridges in a NUMA node, SYS across NUMA nodes, ? unknown"
+    );
+    let me = |memory| Place {
+        node: "this".into(),
+        process: 1,
+        memory,
+    };
+    let other = |memory| Place {
+        node: "other".into(),
+        process: 1,
+        memory,
+    };
+    let _ = writeln!(o, "\nPaths rixl picks (memory here -> a peer on another node), and the rails it stripes over:");
+    let mut locations: Vec<(String, MemoryLocation)> = m
+        .gpus
+        .iter()
+        .map(|g| {
+            (
+                format!("GPU{} memory", g.index),
+                MemoryLocation::Gpu { index: g.index },
+            )
+        })
+        .collect();
+    for n in &m.numa {
+        locations.push((
+            format!("host NUMA {}", n.id),
+            MemoryLocation::Host { numa: Some(n.id) },
+        ));
+    }
+    if m.numa.is_empty() {
+        locations.push(("host memory".into(), MemoryLocation::Host { numa: None }));
+    }
+    for (label, loc) in &locations {
+        let path = m.choose_path(&me(*loc), &other(MemoryLocation::Host { numa: None }));
+        let rails: Vec<String> = m.best_rails(*loc).into_iter().map(|r| r.nic).collect();
+        let _ = writeln!(
+            o,
+            "  {label:<16} {}  rails [{}]",
+            describe(&path),
+            rails.join(" ")
+        );
+    }
+    if m.gpus.len() > 1 {
+        let _ = writeln!(o, "\nBetween GPUs of this node (two processes):");
+        if m.gpu_links.is_empty() {
+            let _ = writeln!(
+                o,
+                "  (no NVML: GPU peer links unknown, so GPU pairs go through a NIC)"
+            );
+        }
+        for a in &m.gpus {
+            for b in m.gpus.iter().filter(|b| b.index > a.index) {
+                let p = Place {
+                    node: "this".into(),
+                    process: 2,
+                    memory: MemoryLocation::Gpu { index: b.index },
+                };
+                let path = m.choose_path(&me(MemoryLocation::Gpu { index: a.index }), &p);
+                let _ = writeln!(o, "  GPU{} -> GPU{}: {}", a.index, b.index, describe(&path));
+            }
+        }
+    }
+    o
+}
+
+fn describe(p: &TopoPath) -> String {
+    match p {
+        TopoPath::LocalCopy => "local copy".into(),
+        TopoPath::CudaIpc { link, .. } => match link {
+            Some(GpuLink::NvLink(n)) => format!("CUDA IPC over NVLink (x{n})"),
+            Some(GpuLink::PciP2p) => "CUDA IPC over PCIe P2P".into(),
+            _ => "CUDA IPC (same GPU)".into(),
+        },
+        TopoPath::GpuDirectRdma { nic, relation, .. } => {
+            format!("GPUDirect RDMA on {nic} ({relation})")
+        }
+        TopoPath::HostRdma {
+            nic,
+            staged_gpu: Some(_),
+        } => {
+            format!("RDMA on {nic} through a pinned host bounce")
+        }
+        TopoPath::HostRdma { nic, .. } => format!("RDMA on {nic}"),
+        TopoPath::None { reason } => format!("no path: {reason}"),
+        other => format!("{other:?}"),
+    }
+}
+
+fn cpu_ranges(cpus: &[u32]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < cpus.len() {
+        let mut j = i;
+        while j + 1 < cpus.len() && cpus[j + 1] == cpus[j] + 1 {
+            j += 1;
+        }
+        out.push(if i == j {
+            cpus[i].to_string()
+        } else {
+            format!("{}-{}", cpus[i], cpus[j])
+        });
+        i = j + 1;
+    }
+    out.join(",")
 }
 
 fn main() {
     let cmd = std::env::args().nth(1).unwrap_or_default();
     let r = match cmd.as_str() {
         "info" => info(),
-        "topo" => topo(),
-        _ => Err("usage: rixl info | rixl topo".into()),
+        "topo" => topo(&std::env::args().skip(2).collect::<Vec<_>>()),
+        _ => Err("usage: rixl info | rixl topo [--xml HWLOC-XML]".into()),
     };
     if let Err(e) = r {
         eprintln!("rixl: {e}");

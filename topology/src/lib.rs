@@ -1,10 +1,22 @@
 //! `rixl-topology`: the machine model rixl chooses paths from.
 //!
-//! First piece: RDMA NICs and NUMA nodes read from sysfs (`/sys/class/infiniband`,
-//! `/sys/devices/system/node`). Every reader takes the sysfs root so fixtures can stand in for
-//! other machines; anything missing degrades to a smaller model, never a panic.
+//! - [`Machine`]: NUMA nodes, PCI bridges, GPUs, RDMA NICs and GPU-GPU links, read from hwloc
+//!   ([`hwloc::live`], or [`hwloc::from_xml_file`] for other machines' exports) plus sysfs for
+//!   software RDMA devices; NVML's GPU links are added by the caller ([`Machine::add_gpu_link`]).
+//! - [`Machine::relation`]: the PCI relationship of two devices (`nvidia-smi topo -m`'s legend).
+//! - [`Machine::choose_path`]: local copy, CUDA IPC, GPUDirect RDMA or host-staged RDMA, as a
+//!   pure function of the model and the two endpoints; [`Machine::rails`] and [`stripe`] for
+//!   multi-rail striping.
+//!
+//! Anything missing (no hwloc I/O discovery, no GPU, no NIC) gives a smaller model, never a panic.
 #![forbid(unsafe_code)]
 
+pub mod hwloc;
+mod model;
+mod path;
 mod sysfs;
 
+pub use hwloc::TopologyError;
+pub use model::{Bridge, Gpu, GpuLink, Machine, Nic, Numa, PciPlace, Relation};
+pub use path::{stripe, MemoryLocation, Path, Place, Rail, Slice, GDR_MAX_RELATION};
 pub use sysfs::{numa_nodes, parse_cpu_list, rdma_nics, NumaNode, RdmaNic};
