@@ -139,3 +139,45 @@ fn an_agent_without_a_nic_exports_nothing_and_refuses_rdma() {
     a.shutdown();
     b.shutdown();
 }
+
+#[test]
+fn vram_registration_is_typed_without_a_gpu() {
+    if rixl::gpudirect::cuda_available() {
+        eprintln!("SKIPPED vram_registration_is_typed_without_a_gpu: a CUDA driver is present (scripts/gpu-check covers it)");
+        return;
+    }
+    let a = agent("vram");
+    match block_on(a.register_vram(0, 1 << 20, Visibility::All)) {
+        Err(AgentError::Runtime(rixl::runtime::RuntimeError::NoNic)) => assert!(!a.has_nic()),
+        Err(AgentError::Runtime(rixl::runtime::RuntimeError::Gpu(
+            rixl::gpudirect::Error::NoCuda,
+        ))) => assert!(a.has_nic()),
+        other => panic!("{other:?}"),
+    }
+    a.shutdown();
+}
+
+#[test]
+fn the_gpu_check_runs_or_says_why_it_skips() {
+    let exe = std::env::current_exe().expect("exe");
+    let bin = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .map(|p| p.join("examples/gpu_check"))
+        .expect("examples dir");
+    let out = std::process::Command::new(&bin)
+        .output()
+        .expect("gpu_check runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    if rixl::gpudirect::cuda_available() {
+        assert!(text.contains("bytes verified"), "{text}");
+    } else {
+        assert!(text.contains("SKIPPED gpu_check: CUDA driver"), "{text}");
+        eprintln!("{}", text.trim());
+    }
+}

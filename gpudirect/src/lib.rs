@@ -2,8 +2,15 @@
 //! loaded). Every entry point first checks that `libcuda` can be loaded: cudarc panics on any call
 //! when it is absent, so without a driver rixl gets a typed [`Error::NoCuda`], never a panic.
 //!
-//! First piece: probing the driver and its GPUs (name, memory, PCI address) for the topology
-//! model. GPUDirect RDMA registration (dma-buf, nvidia-peermem) builds on this.
+//! - [`probe`]: the driver and its GPUs (name, memory, PCI address) for the topology model;
+//! - [`Gpu`], [`DeviceMemory`], [`PinnedHostMemory`]: contexts and memory;
+//! - [`GpuRegistration`]: GPUDirect RDMA registration, dma-buf first, nvidia-peermem second.
+
+mod memory;
+mod register;
+
+pub use memory::{DeviceMemory, Gpu, PinnedHostMemory, DEVICE_ALIGN};
+pub use register::{GpuRegistration, RegistrationKind};
 
 use cudarc::driver::{result, sys};
 
@@ -14,6 +21,17 @@ pub enum Error {
     /// No CUDA driver library could be loaded on this machine.
     #[error("CUDA driver (libcuda) is not available on this machine")]
     NoCuda,
+    /// Bad arguments (zero length, a range outside an allocation).
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// Neither dma-buf nor nvidia-peermem could register GPU memory with the NIC.
+    #[error("GPU memory registration failed: dma-buf: {dmabuf}; nvidia-peermem: {peermem}")]
+    Register {
+        /// Why dma-buf failed.
+        dmabuf: String,
+        /// Why the peermem path failed.
+        peermem: String,
+    },
     /// A CUDA driver call failed.
     #[error("{call} failed: {code}")]
     Driver {
@@ -24,7 +42,7 @@ pub enum Error {
     },
 }
 
-fn driver(call: &'static str) -> impl Fn(result::DriverError) -> Error {
+pub(crate) fn driver(call: &'static str) -> impl Fn(result::DriverError) -> Error {
     move |e| Error::Driver {
         call,
         code: format!("{:?}", e.0),

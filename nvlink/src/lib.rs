@@ -1,9 +1,12 @@
-//! `rixl-nvlink`: NVML probing for the NVLink/CUDA-IPC fast path. NVML is loaded at run time;
-//! without it the probe is a typed [`Error::NoNvml`], never a panic.
+//! `rixl-nvlink`: the NVLink/CUDA-IPC fast path.
 //!
-//! First piece: which GPU pairs can reach each other peer-to-peer, and over NVLink, as input to
-//! the topology crate's path choice.
-#![forbid(unsafe_code)]
+//! - [`probe`]: NVML (loaded at run time) says which GPU pairs reach each other peer-to-peer and
+//!   over NVLink, as input to the topology crate's path choice; without NVML it is a typed
+//!   [`Error::NoNvml`], never a panic.
+//! - [`ipc`]: CUDA IPC handles (export, open in a peer process) and device copies on a stream
+//!   whose completion is polled (`cuEventQuery`), so the runtime can await them like RDMA work.
+
+pub mod ipc;
 
 use nvml_wrapper::enum_wrappers::device::{P2pCapabilitiesIndex, P2pStatus};
 use nvml_wrapper::Nvml;

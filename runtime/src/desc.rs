@@ -3,7 +3,8 @@
 use std::fmt;
 use std::sync::Arc;
 
-use rixl_verbs::{HostBuffer, RegisteredBuffer};
+use rixl_gpudirect::GpuRegistration;
+use rixl_verbs::{HostBuffer, OwnedRegistration, RegisteredBuffer};
 
 /// Memory owned by an engine. Cheap to clone; the memory stays allocated (and registered) until
 /// the last clone is dropped **and** no in-flight transfer uses it (the in-flight table holds
@@ -19,6 +20,7 @@ pub struct Region {
 enum Memory {
     Nic(RegisteredBuffer),
     Host(HostBuffer),
+    Gpu(GpuRegistration),
 }
 
 struct RegionInner {
@@ -47,6 +49,15 @@ impl Region {
         }
     }
 
+    pub(crate) fn gpu(reg: GpuRegistration, engine: u64) -> Self {
+        Region {
+            inner: Arc::new(RegionInner {
+                mem: Memory::Gpu(reg),
+                engine,
+            }),
+        }
+    }
+
     pub(crate) fn host(buf: HostBuffer, engine: u64) -> Self {
         Region {
             inner: Arc::new(RegionInner {
@@ -68,17 +79,35 @@ impl Region {
         ))
     }
 
-    fn memory(&self) -> &HostBuffer {
+    fn host_memory(&self) -> Option<&HostBuffer> {
         match &self.inner.mem {
-            Memory::Nic(b) => b.memory(),
-            Memory::Host(b) => b,
+            Memory::Nic(b) => Some(b.memory()),
+            Memory::Host(b) => Some(b),
+            Memory::Gpu(_) => None,
         }
     }
 
-    /// The NIC registration, if the memory is registered with one.
+    /// The NIC registration of host memory, if the memory is host memory registered with a NIC.
     pub fn nic_buffer(&self) -> Option<&RegisteredBuffer> {
         match &self.inner.mem {
             Memory::Nic(b) => Some(b),
+            Memory::Host(_) | Memory::Gpu(_) => None,
+        }
+    }
+
+    /// The GPU registration, if this is GPU memory (GPUDirect RDMA).
+    pub fn gpu_registration(&self) -> Option<&GpuRegistration> {
+        match &self.inner.mem {
+            Memory::Gpu(g) => Some(g),
+            _ => None,
+        }
+    }
+
+    /// The NIC registration of any memory kind (host or GPU), for posting work requests.
+    pub fn registration(&self) -> Option<&dyn OwnedRegistration> {
+        match &self.inner.mem {
+            Memory::Nic(b) => Some(b),
+            Memory::Gpu(g) => Some(g),
             Memory::Host(_) => None,
         }
     }
@@ -88,18 +117,29 @@ impl Region {
     pub(crate) fn nic_slice(&self) -> &[RegisteredBuffer] {
         match &self.inner.mem {
             Memory::Nic(b) => std::slice::from_ref(b),
-            Memory::Host(_) => &[],
+            Memory::Host(_) | Memory::Gpu(_) => &[],
         }
     }
 
-    /// Start address (the iova peers use).
+    /// Start address (the iova peers use; the device address for GPU memory).
     pub fn addr(&self) -> u64 {
-        self.memory().addr()
+        match &self.inner.mem {
+            Memory::Gpu(g) => g.addr(),
+            _ => self.host_memory().map_or(0, HostBuffer::addr),
+        }
     }
 
     /// Length in bytes.
     pub fn len(&self) -> u64 {
-        self.memory().len() as u64
+        match &self.inner.mem {
+            Memory::Gpu(g) => g.len() as u64,
+            _ => self.host_memory().map_or(0, |h| h.len() as u64),
+        }
+    }
+
+    /// Whether this is GPU memory.
+    pub fn is_gpu(&self) -> bool {
+        matches!(self.inner.mem, Memory::Gpu(_))
     }
 
     /// Whether the region is empty (never).
@@ -109,13 +149,13 @@ impl Region {
 
     /// Local key (0 for memory not registered with a NIC).
     pub fn lkey(&self) -> u32 {
-        self.nic_buffer().map_or(0, RegisteredBuffer::lkey)
+        self.registration().map_or(0, |r| r.memory_region().lkey())
     }
 
     /// Remote key, to give to peers that may access this region (0 for memory not registered
     /// with a NIC, which peers cannot reach).
     pub fn rkey(&self) -> u32 {
-        self.nic_buffer().map_or(0, RegisteredBuffer::rkey)
+        self.registration().map_or(0, |r| r.memory_region().rkey())
     }
 
     /// A remote descriptor for `len` bytes at `offset`, as a peer would use it.
@@ -132,8 +172,11 @@ impl Region {
     /// # Errors
     /// If the range is outside the region.
     pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<(), rixl_verbs::Error> {
-        self.memory()
-            .write_at(usize::try_from(offset).unwrap_or(usize::MAX), src)
+        let off = usize::try_from(offset).unwrap_or(usize::MAX);
+        match &self.inner.mem {
+            Memory::Gpu(g) => g.memory().write(off, src).map_err(gpu_err),
+            _ => self.host_memory().map_or(Ok(()), |h| h.write_at(off, src)),
+        }
     }
 
     /// Copies bytes at `offset` out of the region.
@@ -141,8 +184,11 @@ impl Region {
     /// # Errors
     /// If the range is outside the region.
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), rixl_verbs::Error> {
-        self.memory()
-            .read_at(usize::try_from(offset).unwrap_or(usize::MAX), dst)
+        let off = usize::try_from(offset).unwrap_or(usize::MAX);
+        match &self.inner.mem {
+            Memory::Gpu(g) => g.memory().read(off, dst).map_err(gpu_err),
+            _ => self.host_memory().map_or(Ok(()), |h| h.read_at(off, dst)),
+        }
     }
 
     /// Id of the engine (protection domain) this region belongs to.
@@ -159,6 +205,10 @@ impl Region {
     pub fn handle_count(&self) -> usize {
         Arc::strong_count(&self.inner)
     }
+}
+
+fn gpu_err(e: rixl_gpudirect::Error) -> rixl_verbs::Error {
+    rixl_verbs::Error::InvalidArgument(format!("GPU copy: {e}"))
 }
 
 /// One local descriptor: `len` bytes at `offset` of region number `region` of its list.

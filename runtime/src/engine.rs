@@ -405,6 +405,24 @@ impl Engine {
         Ok(Region::new(buf, self.inner.id))
     }
 
+    /// Allocates `len` bytes on GPU `ordinal` and registers them with this engine's NIC
+    /// (GPUDirect RDMA: dma-buf first, nvidia-peermem second). Runs off the core.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Gpu`] without CUDA, for a bad ordinal, or when neither registration path
+    /// works.
+    pub async fn register_gpu(&self, ordinal: i32, len: usize) -> Result<Region, RuntimeError> {
+        let pd = self.inner.pd.clone();
+        let reg = glommio::executor()
+            .spawn_blocking(move || {
+                let gpu = rixl_gpudirect::Gpu::open(ordinal)?;
+                let mem = rixl_gpudirect::DeviceMemory::alloc(&gpu, len)?;
+                rixl_gpudirect::GpuRegistration::register(&pd, mem, AccessFlags::ALL_RDMA)
+            })
+            .await?;
+        Ok(Region::gpu(reg, self.inner.id))
+    }
+
     /// Creates a queue pair for a new connection and returns this side's endpoint, to be sent to
     /// the peer out of band.
     ///
@@ -769,7 +787,7 @@ struct Job<'a> {
     slot: SlotId,
     plan: &'a Plan,
     notify_imm: Option<u32>,
-    regions: &'a [&'a RegisteredBuffer],
+    regions: &'a [&'a dyn rixl_verbs::OwnedRegistration],
 }
 
 /// Detaches a slot when the transfer future goes away before taking its result.
@@ -1121,7 +1139,7 @@ async fn transfer_inner(
                 .position(|d| d.region as usize == i)
                 .unwrap_or(0)
         };
-        let Some(buf) = r.nic_buffer() else {
+        let Some(buf) = r.registration() else {
             return Err(InvalidDescriptor::NotRegistered { index: index() }.into());
         };
         if r.engine_id() != inner.id {

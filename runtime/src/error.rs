@@ -167,4 +167,7 @@ pub enum RuntimeError {
     /// This core has no RDMA device (it serves host memory and files only).
     #[error("no RDMA device on this engine's core")]
     NoNic,
+    /// GPU memory could not be allocated or registered (no CUDA, no dma-buf/peermem, ...).
+    #[error(transparent)]
+    Gpu(#[from] rixl_gpudirect::Error),
 }

@@ -21,6 +21,7 @@ type Reply<T> = oneshot::Sender<T>;
 
 enum Command {
     Register(usize, Reply<Result<Region, RuntimeError>>),
+    RegisterGpu(i32, usize, Reply<Result<Region, RuntimeError>>),
     Prepare(Reply<Result<(ConnId, Endpoint), RuntimeError>>),
     Complete(ConnId, Endpoint, Reply<Result<(), RuntimeError>>),
     Transfer {
@@ -140,6 +141,16 @@ impl EngineHandle {
     /// As [`Engine::register`], or [`RuntimeError::EngineGone`].
     pub async fn register(&self, len: usize) -> Result<Region, RuntimeError> {
         ask(&self.tx, |r| Command::Register(len, r))
+            .await
+            .unwrap_or(Err(RuntimeError::EngineGone))
+    }
+
+    /// See [`Engine::register_gpu`]; [`RuntimeError::NoNic`] on a core without a NIC.
+    ///
+    /// # Errors
+    /// As [`Engine::register_gpu`], or [`RuntimeError::EngineGone`].
+    pub async fn register_gpu(&self, ordinal: i32, len: usize) -> Result<Region, RuntimeError> {
+        ask(&self.tx, |r| Command::RegisterGpu(ordinal, len, r))
             .await
             .unwrap_or(Err(RuntimeError::EngineGone))
     }
@@ -314,6 +325,12 @@ async fn serve(engine: Option<Engine>, id: u64, mut rx: mpsc::UnboundedReceiver<
                 })
                 .detach();
             }
+            Command::RegisterGpu(ordinal, len, r) => match e {
+                Some(e) => spawn(async move {
+                    let _ = r.send(e.register_gpu(ordinal, len).await);
+                }),
+                None => no_nic(r),
+            },
             Command::Prepare(r) => match e {
                 Some(e) => spawn(async move {
                     let _ = r.send(e.prepare_connection().await);

@@ -5,6 +5,7 @@ pub mod credits;
 pub mod desc;
 pub mod error;
 pub mod file;
+pub mod gpu;
 pub mod inflight;
 pub mod plan;
 

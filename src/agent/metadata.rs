@@ -22,6 +22,8 @@ const REGION_BYTES: usize = 8 + 8 + 8 + 4 + 1;
 pub enum MemKind {
     /// Host memory.
     Dram,
+    /// GPU memory registered for GPUDirect RDMA.
+    Vram,
 }
 
 /// One exported region.
@@ -127,6 +129,7 @@ impl AgentMetadata {
             out.extend_from_slice(&r.rkey.to_be_bytes());
             out.push(match r.kind {
                 MemKind::Dram => 0,
+                MemKind::Vram => 1,
             });
         }
         let sum = fnv(&out);
@@ -190,6 +193,7 @@ impl AgentMetadata {
             let (id, addr, len, rkey) = (r.u64()?, r.u64()?, r.u64()?, r.u32()?);
             let kind = match r.u8()? {
                 0 => MemKind::Dram,
+                1 => MemKind::Vram,
                 k => return Err(MetadataError::Invalid(format!("memory kind {k}"))),
             };
             if len == 0 || addr.checked_add(len).is_none() {

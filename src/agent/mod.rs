@@ -464,6 +464,41 @@ impl Agent {
             .await?)
     }
 
+    /// Registers `len` bytes of memory on GPU `ordinal` for GPUDirect RDMA (dma-buf first,
+    /// nvidia-peermem second), visible per `visibility`: peers RDMA-READ/WRITE it directly, and
+    /// it can be a local descriptor of any transfer (no host bounce).
+    ///
+    /// # Errors
+    /// [`AgentError::Runtime`] with `Gpu(NoCuda)` without a driver, `NoNic` without a NIC, or
+    /// the registration failure of both paths.
+    pub async fn register_vram(
+        &self,
+        ordinal: i32,
+        len: usize,
+        visibility: Visibility,
+    ) -> Result<Registration, AgentError> {
+        let region = self.inner.engine.register_gpu(ordinal, len).await?;
+        Ok(self.add_registration(region, visibility))
+    }
+
+    fn add_registration(&self, region: Region, visibility: Visibility) -> Registration {
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        lock(&self.inner.regs).insert(
+            id,
+            Reg {
+                region: region.clone(),
+                visibility,
+            },
+        );
+        Registration {
+            inner: Arc::new(RegInner {
+                id,
+                region,
+                agent: Arc::downgrade(&self.inner),
+            }),
+        }
+    }
+
     /// Registers `len` bytes of DRAM (zeroed), visible per `visibility`.
     ///
     /// # Errors
@@ -474,21 +509,7 @@ impl Agent {
         visibility: Visibility,
     ) -> Result<Registration, AgentError> {
         let region = self.inner.engine.register(len).await?;
-        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        lock(&self.inner.regs).insert(
-            id,
-            Reg {
-                region: region.clone(),
-                visibility,
-            },
-        );
-        Ok(Registration {
-            inner: Arc::new(RegInner {
-                id,
-                region,
-                agent: Arc::downgrade(&self.inner),
-            }),
-        })
+        Ok(self.add_registration(region, visibility))
     }
 
     /// This agent's metadata as `reader` may see it: regions scoped to other agents are left out,
@@ -728,13 +749,17 @@ impl Inner {
         let regions = lock(&self.regs)
             .iter()
             // Host memory of a core without a NIC is not reachable by peers.
-            .filter(|(_, r)| r.region.nic_buffer().is_some() && r.visibility.allows(reader))
+            .filter(|(_, r)| r.region.registration().is_some() && r.visibility.allows(reader))
             .map(|(&id, r)| RegionInfo {
                 id,
                 addr: r.region.addr(),
                 len: r.region.len(),
                 rkey: r.region.rkey(),
-                kind: MemKind::Dram,
+                kind: if r.region.is_gpu() {
+                    MemKind::Vram
+                } else {
+                    MemKind::Dram
+                },
             })
             .collect();
         AgentMetadata {

@@ -145,6 +145,58 @@ impl MemoryRegion {
         })
     }
 
+    /// Registers `len` bytes at `offset` of a dma-buf (`ibv_reg_dmabuf_mr`), addressed by peers
+    /// at `iova`: how GPU memory exported by the CUDA driver (`cuMemGetHandleForAddressRange`) is
+    /// registered for GPUDirect RDMA without nvidia-peermem.
+    ///
+    /// # Safety
+    /// The memory behind `fd` must stay allocated until this region is dropped **and** every work
+    /// request that references it has completed or been flushed (the exporter may keep its pages
+    /// pinned only while the memory exists). `fd` itself may be closed after this returns.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for zero length; [`Error::RegisterMemory`] if the kernel or
+    /// provider refuses (no dma-buf support: `EOPNOTSUPP`/`ENOSYS`).
+    pub unsafe fn register_dmabuf(
+        pd: &ProtectionDomain,
+        fd: std::os::fd::BorrowedFd<'_>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        access: AccessFlags,
+    ) -> Result<Self> {
+        use std::os::fd::AsRawFd;
+        if len == 0 {
+            return Err(Error::InvalidArgument(
+                "dma-buf region must be non-empty".into(),
+            ));
+        }
+        // SAFETY: the PD is live and `fd` is an open descriptor for the call's duration; the
+        // caller guarantees the exported memory outlives the region (see `# Safety`).
+        let raw = unsafe {
+            sys::ibv_reg_dmabuf_mr(
+                pd.as_raw(),
+                offset,
+                len,
+                iova,
+                fd.as_raw_fd(),
+                access.bits() as i32,
+            )
+        };
+        let raw = NonNull::new(raw).ok_or_else(|| Error::last_os(Error::RegisterMemory))?;
+        // SAFETY: `raw` was just returned by a successful registration and is not shared yet.
+        let (lkey, rkey) = unsafe { ((*raw.as_ptr()).lkey, (*raw.as_ptr()).rkey) };
+        tracing::debug!(iova, len, lkey, rkey, "registered dma-buf memory region");
+        Ok(MemoryRegion {
+            raw,
+            addr: iova,
+            len,
+            lkey,
+            rkey,
+            _pd: pd.clone(),
+        })
+    }
+
     /// Start address (also the iova used by remote peers).
     pub fn addr(&self) -> u64 {
         self.addr
@@ -192,6 +244,31 @@ impl Drop for MemoryRegion {
         if rc != 0 {
             tracing::warn!(rc, addr = self.addr, "ibv_dereg_mr failed");
         }
+    }
+}
+
+/// Memory that owns its NIC registration: what the checked posting methods
+/// ([`crate::QueuePair::post_send_in`]) accept.
+///
+/// # Safety
+/// Implementors must deregister [`Self::memory_region`] before the memory it covers is freed or
+/// unmapped, so the NIC can never reach freed memory through it.
+pub unsafe trait OwnedRegistration {
+    /// The registration.
+    fn memory_region(&self) -> &MemoryRegion;
+}
+
+// SAFETY: `RegisteredBuffer`'s `Drop` deregisters before its memory is freed.
+unsafe impl OwnedRegistration for RegisteredBuffer {
+    fn memory_region(&self) -> &MemoryRegion {
+        &self.mr
+    }
+}
+
+// SAFETY: forwards to `T`, which upholds the contract.
+unsafe impl<T: OwnedRegistration + ?Sized> OwnedRegistration for &T {
+    fn memory_region(&self) -> &MemoryRegion {
+        (**self).memory_region()
     }
 }
 

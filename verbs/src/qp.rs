@@ -1,6 +1,5 @@
 //! Reliable-connected queue pairs with checked state transitions.
 
-use std::borrow::Borrow;
 use std::fmt;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -9,7 +8,7 @@ use crate::context::{Gid, Mtu};
 use crate::cq::CompletionQueue;
 use crate::error::{Error, Result};
 use crate::mr::AccessFlags;
-use crate::mr::RegisteredBuffer;
+use crate::mr::OwnedRegistration;
 use crate::pd::ProtectionDomain;
 use crate::sys;
 use crate::wr::{RecvBatch, SendBatch};
@@ -567,14 +566,14 @@ impl QueuePair {
     /// # Errors
     /// [`Error::InvalidArgument`] naming the first entry outside `buffers`; otherwise as
     /// [`Self::post_send`].
-    pub fn post_send_in<B: Borrow<RegisteredBuffer>>(
+    pub fn post_send_in<B: OwnedRegistration>(
         &self,
         batch: &mut SendBatch,
         buffers: &[B],
     ) -> Result<()> {
         batch.check_inside(buffers)?;
-        // SAFETY: every entry lies inside a live RegisteredBuffer (checked above); such a buffer
-        // deregisters before it frees its memory, so the NIC cannot reach freed memory through
+        // SAFETY: every entry lies inside a live owned registration (checked above), which
+        // deregisters before its memory is freed (the `OwnedRegistration` contract), so the NIC cannot reach freed memory through
         // these entries (see the method docs).
         unsafe { self.post_send(batch) }
     }
@@ -584,7 +583,7 @@ impl QueuePair {
     /// # Errors
     /// [`Error::InvalidArgument`] naming the first entry outside `buffers`; otherwise as
     /// [`Self::post_recv`].
-    pub fn post_recv_in<B: Borrow<RegisteredBuffer>>(
+    pub fn post_recv_in<B: OwnedRegistration>(
         &self,
         batch: &mut RecvBatch,
         buffers: &[B],

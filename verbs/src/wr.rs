@@ -1,9 +1,7 @@
 //! Work requests, built into reusable batches that are posted with one doorbell.
 
-use std::borrow::Borrow;
-
 use crate::error::{Error, Result};
-use crate::mr::RegisteredBuffer;
+use crate::mr::OwnedRegistration;
 use crate::qp::QueuePairCapabilities;
 use crate::sys;
 
@@ -184,7 +182,7 @@ impl SendBatch {
         self.spans.clear();
     }
 
-    pub(crate) fn check_inside<B: Borrow<RegisteredBuffer>>(&self, buffers: &[B]) -> Result<()> {
+    pub(crate) fn check_inside<B: OwnedRegistration>(&self, buffers: &[B]) -> Result<()> {
         sges_inside(&self.sges, buffers)
     }
 
@@ -239,11 +237,11 @@ impl SendBatch {
     }
 }
 
-fn sges_inside<B: Borrow<RegisteredBuffer>>(sges: &[sys::ibv_sge], buffers: &[B]) -> Result<()> {
+fn sges_inside<B: OwnedRegistration>(sges: &[sys::ibv_sge], buffers: &[B]) -> Result<()> {
     for (i, s) in sges.iter().enumerate() {
         let inside = buffers.iter().any(|b| {
-            let b = b.borrow();
-            b.lkey() == s.lkey && b.region().contains(s.addr, u64::from(s.length))
+            let r = b.memory_region();
+            r.lkey() == s.lkey && r.contains(s.addr, u64::from(s.length))
         });
         if !inside {
             return Err(Error::InvalidArgument(format!(
@@ -356,7 +354,7 @@ impl RecvBatch {
         self.spans.clear();
     }
 
-    pub(crate) fn check_inside<B: Borrow<RegisteredBuffer>>(&self, buffers: &[B]) -> Result<()> {
+    pub(crate) fn check_inside<B: OwnedRegistration>(&self, buffers: &[B]) -> Result<()> {
         sges_inside(&self.sges, buffers)
     }
 

@@ -122,6 +122,11 @@ fn parse(argv: &[String]) -> Res<FileArgs> {
     Ok(a)
 }
 
+/// Blocks of host memory the run cycles through: `iodepth` of them (fio's buffer footprint).
+fn mem_blocks(a: &FileArgs) -> u64 {
+    (a.iodepth as u64).clamp(1, a.size / a.bs)
+}
+
 /// The byte the benchmark writes at file position `i` (so `--verify` can check it).
 fn pattern(i: u64) -> u8 {
     ((i / 4096).wrapping_mul(131) ^ (i % 4096)) as u8
@@ -157,8 +162,8 @@ async fn run(a: FileArgs) -> Res<FileResult> {
         .open(&FileSpec::new(&a.path, blocks_n * a.bs, mode))
         .await
         .map_err(s)?;
-    // Source/target memory: up to 64 MiB, reused round-robin (like fio's buffers).
-    let mem_blocks = ((64u64 << 20) / a.bs).clamp(1, blocks_n);
+    // Source/target memory: iodepth blocks reused round-robin, like fio's buffers.
+    let mem_blocks = mem_blocks(&a);
     let region = Region::unregistered((mem_blocks * a.bs) as usize).map_err(s)?;
     let buf: Vec<u8> = (0..region.len()).map(pattern).collect();
     region.write_at(0, &buf).map_err(s)?;
@@ -267,7 +272,7 @@ async fn lay_out(
 
 fn verify(a: &FileArgs) -> Res<()> {
     use std::io::Read;
-    let mem_blocks = ((64u64 << 20) / a.bs).clamp(1, a.size / a.bs);
+    let mem_blocks = mem_blocks(a);
     let mut f = std::fs::File::open(&a.path).map_err(s)?;
     let mut buf = vec![0u8; a.bs as usize];
     for b in 0..a.size / a.bs {

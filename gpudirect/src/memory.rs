@@ -1,0 +1,323 @@
+//! GPU contexts, device memory and pinned host memory through the CUDA driver API.
+
+use std::ffi::c_void;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+
+use crate::{cuda_available, driver, Error};
+
+pub(crate) fn check(call: &'static str, rc: sys::CUresult) -> Result<(), Error> {
+    rc.result().map_err(driver(call))
+}
+
+/// A GPU's primary context, retained for the life of this value (and of every allocation made
+/// in it, which hold an `Arc`).
+#[derive(Debug)]
+pub struct Gpu {
+    ordinal: i32,
+    dev: sys::CUdevice,
+    ctx: sys::CUcontext,
+}
+
+// SAFETY: a CUDA context handle may be used from any thread (each thread makes it current with
+// `bind` before use); the handle itself is immutable here.
+unsafe impl Send for Gpu {}
+// SAFETY: as above; no method mutates `self`.
+unsafe impl Sync for Gpu {}
+
+impl Gpu {
+    /// Retains GPU `ordinal`'s primary context.
+    ///
+    /// # Errors
+    /// [`Error::NoCuda`] without a driver; [`Error::Driver`] for a bad ordinal or a failing call.
+    pub fn open(ordinal: i32) -> Result<Arc<Gpu>, Error> {
+        if !cuda_available() {
+            return Err(Error::NoCuda);
+        }
+        cudarc::driver::result::init().map_err(driver("cuInit"))?;
+        let dev = cudarc::driver::result::device::get(ordinal).map_err(driver("cuDeviceGet"))?;
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: the driver is initialised and `dev` valid; `ctx` is a valid out-pointer.
+        check("cuDevicePrimaryCtxRetain", unsafe {
+            sys::cuDevicePrimaryCtxRetain(&mut ctx, dev)
+        })?;
+        Ok(Arc::new(Gpu { ordinal, dev, ctx }))
+    }
+
+    /// Makes the context current on the calling thread.
+    ///
+    /// # Errors
+    /// [`Error::Driver`].
+    pub fn bind(&self) -> Result<(), Error> {
+        // SAFETY: `ctx` is a retained primary context, alive while `self` is.
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(self.ctx) })
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// The raw context.
+    pub fn as_raw(&self) -> sys::CUcontext {
+        self.ctx
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        // SAFETY: retained in `open`, released exactly once here; allocations keep `self` alive,
+        // so none outlives the context.
+        let rc = unsafe { sys::cuDevicePrimaryCtxRelease_v2(self.dev) };
+        if rc != sys::CUresult::CUDA_SUCCESS {
+            tracing::warn!(?rc, "cuDevicePrimaryCtxRelease failed");
+        }
+    }
+}
+
+/// Granularity of device allocations, so the whole allocation can be exported as a dma-buf
+/// (which needs host-page-aligned ranges).
+pub const DEVICE_ALIGN: usize = 2 << 20;
+
+/// Device memory (`cuMemAlloc`), freed on drop.
+#[derive(Debug)]
+pub struct DeviceMemory {
+    gpu: Arc<Gpu>,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    allocated: usize,
+}
+
+impl DeviceMemory {
+    /// Allocates `len` bytes on `gpu` (rounded up to [`DEVICE_ALIGN`] internally).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for zero length; [`Error::Driver`] (out of memory, ...).
+    pub fn alloc(gpu: &Arc<Gpu>, len: usize) -> Result<DeviceMemory, Error> {
+        if len == 0 {
+            return Err(Error::InvalidArgument(
+                "device allocation of 0 bytes".into(),
+            ));
+        }
+        let allocated = len.div_ceil(DEVICE_ALIGN) * DEVICE_ALIGN;
+        gpu.bind()?;
+        let mut ptr = 0;
+        // SAFETY: the context is current; `ptr` is a valid out-pointer.
+        check("cuMemAlloc", unsafe {
+            sys::cuMemAlloc_v2(&mut ptr, allocated)
+        })?;
+        Ok(DeviceMemory {
+            gpu: Arc::clone(gpu),
+            ptr,
+            len,
+            allocated,
+        })
+    }
+
+    /// Device address (unified addressing: also the RDMA iova of a registration).
+    pub fn addr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Usable length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty (never).
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The GPU.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
+    fn range(&self, offset: usize, len: usize) -> Result<(), Error> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(Error::InvalidArgument(format!(
+                "range {offset}+{len} outside {} bytes of device memory",
+                self.len
+            ))),
+        }
+    }
+
+    /// Copies `src` to the device at `offset` (synchronous).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] outside the allocation; [`Error::Driver`].
+    pub fn write(&self, offset: usize, src: &[u8]) -> Result<(), Error> {
+        self.range(offset, src.len())?;
+        self.gpu.bind()?;
+        // SAFETY: the destination range lies inside the live allocation (checked) and `src` is a
+        // valid host slice of that length.
+        check("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(self.ptr + offset as u64, src.as_ptr().cast(), src.len())
+        })
+    }
+
+    /// Copies device bytes at `offset` into `dst` (synchronous).
+    ///
+    /// # Errors
+    /// As [`Self::write`].
+    pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), Error> {
+        self.range(offset, dst.len())?;
+        self.gpu.bind()?;
+        // SAFETY: the source range lies inside the live allocation (checked) and `dst` is a valid
+        // mutable host slice of that length.
+        check("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), self.ptr + offset as u64, dst.len())
+        })
+    }
+
+    /// Copies all of `src` (same length or shorter) to the start of `self`, synchronously
+    /// (`cuMemcpyDtoD`, the plain CUDA baseline).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `src` is longer; [`Error::Driver`].
+    pub fn copy_from(&self, src: &DeviceMemory) -> Result<(), Error> {
+        self.range(0, src.len)?;
+        self.gpu.bind()?;
+        // SAFETY: both are live allocations and the length fits both (checked).
+        check("cuMemcpyDtoD", unsafe {
+            sys::cuMemcpyDtoD_v2(self.ptr, src.ptr, src.len)
+        })?;
+        // SAFETY: the context is current; the null stream orders after the copy.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
+    }
+
+    /// Sets every byte to `value`.
+    ///
+    /// # Errors
+    /// [`Error::Driver`].
+    pub fn fill(&self, value: u8) -> Result<(), Error> {
+        self.gpu.bind()?;
+        // SAFETY: the whole allocation is live device memory of `allocated` bytes.
+        check("cuMemsetD8", unsafe {
+            sys::cuMemsetD8_v2(self.ptr, value, self.allocated)
+        })
+    }
+
+    /// Exports the allocation as a dma-buf file descriptor (for `ibv_reg_dmabuf_mr`).
+    ///
+    /// # Errors
+    /// [`Error::Driver`] when the driver or GPU has no dma-buf support.
+    pub fn export_dmabuf(&self) -> Result<OwnedFd, Error> {
+        self.gpu.bind()?;
+        let mut fd: i32 = -1;
+        // SAFETY: the range is this whole (page-aligned, DEVICE_ALIGN-sized) allocation; `fd` is
+        // a valid out-pointer for an int, as the DMA_BUF_FD handle type requires.
+        check("cuMemGetHandleForAddressRange", unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                (&mut fd as *mut i32).cast::<c_void>(),
+                self.ptr,
+                self.allocated,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        })?;
+        if fd < 0 {
+            return Err(Error::InvalidArgument(
+                "driver returned no dma-buf fd".into(),
+            ));
+        }
+        // SAFETY: the driver returned a fresh descriptor that nothing else owns.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+}
+
+impl Drop for DeviceMemory {
+    fn drop(&mut self) {
+        let _ = self.gpu.bind();
+        // SAFETY: allocated in `alloc`, freed once here; registrations and copies that use it
+        // hold this value (or an `Arc` of it), so none is outstanding.
+        let rc = unsafe { sys::cuMemFree_v2(self.ptr) };
+        if rc != sys::CUresult::CUDA_SUCCESS {
+            tracing::warn!(?rc, "cuMemFree failed");
+        }
+    }
+}
+
+/// Page-locked host memory (`cuMemHostAlloc`, portable), for staging and fast host<->device
+/// copies; freed on drop.
+#[derive(Debug)]
+pub struct PinnedHostMemory {
+    gpu: Arc<Gpu>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the value owns the allocation; access goes through `&self`/`&mut self` slices.
+unsafe impl Send for PinnedHostMemory {}
+// SAFETY: shared access only hands out `&[u8]`.
+unsafe impl Sync for PinnedHostMemory {}
+
+impl PinnedHostMemory {
+    /// Allocates `len` bytes of pinned host memory.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for zero length; [`Error::Driver`].
+    pub fn alloc(gpu: &Arc<Gpu>, len: usize) -> Result<PinnedHostMemory, Error> {
+        if len == 0 {
+            return Err(Error::InvalidArgument(
+                "pinned allocation of 0 bytes".into(),
+            ));
+        }
+        gpu.bind()?;
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: the context is current; `p` is a valid out-pointer. Flag 1 is PORTABLE.
+        check("cuMemHostAlloc", unsafe {
+            sys::cuMemHostAlloc(&mut p, len, 1)
+        })?;
+        // SAFETY: `p` is a fresh allocation of `len` bytes; zeroing initialises every byte.
+        unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, len) };
+        Ok(PinnedHostMemory {
+            gpu: Arc::clone(gpu),
+            ptr: p.cast(),
+            len,
+        })
+    }
+
+    /// The bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `ptr` is a live, initialised (zeroed in `alloc`) allocation of `len` bytes
+        // owned by `self`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    /// The bytes, mutably.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as in `as_slice`, with exclusive access through `&mut self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+
+    /// Length.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it is empty (never).
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Host address.
+    pub fn addr(&self) -> u64 {
+        self.ptr as u64
+    }
+}
+
+impl Drop for PinnedHostMemory {
+    fn drop(&mut self) {
+        let _ = self.gpu.bind();
+        // SAFETY: allocated by `cuMemHostAlloc` in `alloc`, freed once here.
+        let rc = unsafe { sys::cuMemFreeHost(self.ptr.cast()) };
+        if rc != sys::CUresult::CUDA_SUCCESS {
+            tracing::warn!(?rc, "cuMemFreeHost failed");
+        }
+    }
+}

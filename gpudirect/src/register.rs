@@ -1,0 +1,135 @@
+//! GPUDirect RDMA: GPU memory registered with a NIC, through dma-buf first and nvidia-peermem
+//! (`ibv_reg_mr` on the device pointer) as the fallback.
+
+use std::mem::ManuallyDrop;
+use std::os::fd::AsFd;
+
+use rixl_verbs::{AccessFlags, MemoryRegion, ProtectionDomain};
+
+use crate::memory::DeviceMemory;
+use crate::Error;
+
+/// How GPU memory was registered with the NIC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RegistrationKind {
+    /// `cuMemGetHandleForAddressRange` + `ibv_reg_dmabuf_mr` (kernel >= 5.12, no extra module).
+    DmaBuf,
+    /// `ibv_reg_mr` on the device pointer, through the nvidia-peermem kernel module.
+    PeerMem,
+}
+
+/// GPU memory registered with a NIC: RDMA work requests may use `addr()`/`lkey()` locally and
+/// peers `addr()`/`rkey()` remotely. The region is deregistered before the memory is freed.
+#[derive(Debug)]
+pub struct GpuRegistration {
+    // Deregistered explicitly in `Drop`, before `mem` (a later field) is freed.
+    mr: ManuallyDrop<MemoryRegion>,
+    mem: DeviceMemory,
+    kind: RegistrationKind,
+}
+
+impl GpuRegistration {
+    /// Registers `mem` with `pd`: dma-buf first, nvidia-peermem second.
+    ///
+    /// # Errors
+    /// [`Error::Register`] with both attempts' reasons.
+    pub fn register(
+        pd: &ProtectionDomain,
+        mem: DeviceMemory,
+        access: AccessFlags,
+    ) -> Result<GpuRegistration, Error> {
+        let dmabuf = match mem.export_dmabuf() {
+            Ok(fd) => {
+                // SAFETY: `mem` is moved into the returned value and freed only after the region
+                // is deregistered (see `Drop`), so the exported memory outlives the registration.
+                match unsafe {
+                    MemoryRegion::register_dmabuf(pd, fd.as_fd(), 0, mem.len(), mem.addr(), access)
+                } {
+                    Ok(mr) => {
+                        return Ok(Self::done(mr, mem, RegistrationKind::DmaBuf));
+                    }
+                    Err(e) => e.to_string(),
+                }
+            }
+            Err(e) => e.to_string(),
+        };
+        // SAFETY: as above; with nvidia-peermem the NIC driver pins the device pages behind this
+        // unified address for the region's lifetime.
+        match unsafe { MemoryRegion::register_raw(pd, mem.addr() as *mut u8, mem.len(), access) } {
+            Ok(mr) => Ok(Self::done(mr, mem, RegistrationKind::PeerMem)),
+            Err(e) => Err(Error::Register {
+                dmabuf,
+                peermem: e.to_string(),
+            }),
+        }
+    }
+
+    fn done(mr: MemoryRegion, mem: DeviceMemory, kind: RegistrationKind) -> GpuRegistration {
+        tracing::info!(
+            gpu = mem.gpu().ordinal(),
+            len = mem.len(),
+            ?kind,
+            "GPU memory registered"
+        );
+        GpuRegistration {
+            mr: ManuallyDrop::new(mr),
+            mem,
+            kind,
+        }
+    }
+
+    /// Which mechanism registered it.
+    pub fn kind(&self) -> RegistrationKind {
+        self.kind
+    }
+
+    /// The memory.
+    pub fn memory(&self) -> &DeviceMemory {
+        &self.mem
+    }
+
+    /// The NIC registration.
+    pub fn region(&self) -> &MemoryRegion {
+        &self.mr
+    }
+
+    /// Device address (the iova).
+    pub fn addr(&self) -> u64 {
+        self.mem.addr()
+    }
+
+    /// Length.
+    pub fn len(&self) -> usize {
+        self.mem.len()
+    }
+
+    /// Whether it is empty (never).
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.mr.lkey()
+    }
+
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        self.mr.rkey()
+    }
+}
+
+// SAFETY: `Drop` deregisters the region before `mem` (a later field) frees the device memory.
+unsafe impl rixl_verbs::OwnedRegistration for GpuRegistration {
+    fn memory_region(&self) -> &MemoryRegion {
+        &self.mr
+    }
+}
+
+impl Drop for GpuRegistration {
+    fn drop(&mut self) {
+        // SAFETY: dropped exactly once, here; `mem` is freed after this returns (field drop).
+        unsafe { ManuallyDrop::drop(&mut self.mr) };
+    }
+}

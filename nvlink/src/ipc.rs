@@ -1,0 +1,298 @@
+//! The CUDA-IPC backend: export device memory as an IPC handle, open a peer's handle in this
+//! process, and copy device-to-device on a stream, with completion observed by polling a CUDA
+//! event (so the copy can be a `Future` driven by the engine's progress loop).
+
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+use rixl_gpudirect::{DeviceMemory, Gpu};
+
+/// Errors of the CUDA-IPC backend.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum IpcError {
+    /// The GPU layer failed (no CUDA, allocation, ...).
+    #[error(transparent)]
+    Gpu(#[from] rixl_gpudirect::Error),
+    /// A CUDA driver call failed.
+    #[error("{call} failed: {code}")]
+    Driver {
+        /// The call.
+        call: &'static str,
+        /// The CUresult, by name.
+        code: String,
+    },
+    /// A range lies outside its memory.
+    #[error("{side} range {offset}+{len} outside {size} bytes")]
+    OutOfRange {
+        /// `source` or `destination`.
+        side: &'static str,
+        /// Offset.
+        offset: usize,
+        /// Length.
+        len: usize,
+        /// Size of the memory.
+        size: usize,
+    },
+    /// A handle of the wrong length.
+    #[error("an IPC handle is 64 bytes, not {0}")]
+    BadHandle(usize),
+}
+
+fn check(call: &'static str, rc: sys::CUresult) -> Result<(), IpcError> {
+    if rc == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(IpcError::Driver {
+            call,
+            code: format!("{rc:?}"),
+        })
+    }
+}
+
+/// An exported CUDA IPC memory handle (64 opaque bytes, sent to a peer in the same node).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IpcHandle(pub [u8; 64]);
+
+impl IpcHandle {
+    /// Exports `mem`.
+    ///
+    /// # Errors
+    /// [`IpcError::Driver`] (e.g. memory not from `cuMemAlloc`).
+    pub fn export(mem: &DeviceMemory) -> Result<IpcHandle, IpcError> {
+        mem.gpu().bind()?;
+        let mut h = sys::CUipcMemHandle_st { reserved: [0; 64] };
+        // SAFETY: the context is current and `mem` is live `cuMemAlloc` memory; `h` is a valid
+        // out-pointer.
+        check("cuIpcGetMemHandle", unsafe {
+            sys::cuIpcGetMemHandle(&mut h, mem.addr())
+        })?;
+        Ok(IpcHandle(h.reserved.map(|c| c as u8)))
+    }
+
+    /// From bytes received from a peer.
+    ///
+    /// # Errors
+    /// [`IpcError::BadHandle`] unless exactly 64 bytes.
+    pub fn from_bytes(b: &[u8]) -> Result<IpcHandle, IpcError> {
+        <[u8; 64]>::try_from(b)
+            .map(IpcHandle)
+            .map_err(|_| IpcError::BadHandle(b.len()))
+    }
+}
+
+/// Anything a copy may read or write: device memory with its GPU and length.
+pub trait DeviceRange: std::fmt::Debug + Send + Sync {
+    /// Device address of byte 0.
+    fn device_addr(&self) -> u64;
+    /// Length in bytes.
+    fn device_len(&self) -> usize;
+}
+
+impl DeviceRange for DeviceMemory {
+    fn device_addr(&self) -> u64 {
+        self.addr()
+    }
+    fn device_len(&self) -> usize {
+        self.len()
+    }
+}
+
+/// A peer's device memory opened in this process; closed on drop.
+#[derive(Debug)]
+pub struct ImportedMemory {
+    gpu: Arc<Gpu>,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl ImportedMemory {
+    /// Opens `handle` (exported by another process on this node) in `gpu`'s context. `len` is the
+    /// exported length, as the peer's metadata states it.
+    ///
+    /// # Errors
+    /// [`IpcError::Driver`] for a stale or foreign handle (e.g. the exporter exited).
+    pub fn open(
+        gpu: &Arc<Gpu>,
+        handle: &IpcHandle,
+        len: usize,
+    ) -> Result<ImportedMemory, IpcError> {
+        gpu.bind()?;
+        let h = sys::CUipcMemHandle_st {
+            reserved: handle.0.map(|b| b as std::ffi::c_char),
+        };
+        let mut ptr = 0;
+        // SAFETY: the context is current; `ptr` is a valid out-pointer; flag 1 is
+        // CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS. The driver validates the handle.
+        check("cuIpcOpenMemHandle", unsafe {
+            sys::cuIpcOpenMemHandle_v2(&mut ptr, h, 1)
+        })?;
+        Ok(ImportedMemory {
+            gpu: Arc::clone(gpu),
+            ptr,
+            len,
+        })
+    }
+}
+
+impl DeviceRange for ImportedMemory {
+    fn device_addr(&self) -> u64 {
+        self.ptr
+    }
+    fn device_len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for ImportedMemory {
+    fn drop(&mut self) {
+        let _ = self.gpu.bind();
+        // SAFETY: opened in `open`, closed once here; pending copies hold an `Arc` of this value.
+        let rc = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+        if rc != sys::CUresult::CUDA_SUCCESS {
+            tracing::warn!(?rc, "cuIpcCloseMemHandle failed");
+        }
+    }
+}
+
+/// A non-blocking CUDA stream for one engine's device copies.
+#[derive(Debug)]
+pub struct CopyStream {
+    gpu: Arc<Gpu>,
+    stream: sys::CUstream,
+}
+
+// SAFETY: the stream handle may be used from any thread with its context current (`bind`).
+unsafe impl Send for CopyStream {}
+// SAFETY: enqueueing on a stream from several threads is allowed by CUDA.
+unsafe impl Sync for CopyStream {}
+
+impl CopyStream {
+    /// A new non-blocking stream on `gpu`.
+    ///
+    /// # Errors
+    /// [`IpcError::Driver`].
+    pub fn new(gpu: &Arc<Gpu>) -> Result<CopyStream, IpcError> {
+        gpu.bind()?;
+        let mut stream = std::ptr::null_mut();
+        // SAFETY: the context is current; flag 1 is CU_STREAM_NON_BLOCKING.
+        check("cuStreamCreate", unsafe {
+            sys::cuStreamCreate(&mut stream, 1)
+        })?;
+        Ok(CopyStream {
+            gpu: Arc::clone(gpu),
+            stream,
+        })
+    }
+
+    /// Enqueues a copy of `len` bytes from `src` at `src_off` to `dst` at `dst_off` and returns
+    /// its completion. Both memories are kept alive until the copy has finished.
+    ///
+    /// # Errors
+    /// [`IpcError::OutOfRange`] before anything is enqueued; [`IpcError::Driver`].
+    pub fn copy(
+        &self,
+        dst: Arc<dyn DeviceRange>,
+        dst_off: usize,
+        src: Arc<dyn DeviceRange>,
+        src_off: usize,
+        len: usize,
+    ) -> Result<PendingCopy, IpcError> {
+        for (side, r, off) in [("destination", &dst, dst_off), ("source", &src, src_off)] {
+            if off.checked_add(len).is_none_or(|end| end > r.device_len()) {
+                return Err(IpcError::OutOfRange {
+                    side,
+                    offset: off,
+                    len,
+                    size: r.device_len(),
+                });
+            }
+        }
+        self.gpu.bind()?;
+        // SAFETY: both ranges are inside live device allocations (checked above; `Arc`s keep them
+        // alive until the event completes, see `PendingCopy`). Unified addressing lets
+        // cuMemcpyAsync copy between any two device pointers.
+        check("cuMemcpyAsync", unsafe {
+            sys::cuMemcpyAsync(
+                dst.device_addr() + dst_off as u64,
+                src.device_addr() + src_off as u64,
+                len,
+                self.stream,
+            )
+        })?;
+        let mut event = std::ptr::null_mut();
+        // SAFETY: context current; flag 2 is CU_EVENT_DISABLE_TIMING (cheapest to query).
+        check("cuEventCreate", unsafe {
+            sys::cuEventCreate(&mut event, 2)
+        })?;
+        // SAFETY: `event` was just created and `stream` is live.
+        check("cuEventRecord", unsafe {
+            sys::cuEventRecord(event, self.stream)
+        })?;
+        Ok(PendingCopy {
+            gpu: Arc::clone(&self.gpu),
+            event,
+            _keep: (dst, src),
+            done: false,
+        })
+    }
+}
+
+impl Drop for CopyStream {
+    fn drop(&mut self) {
+        let _ = self.gpu.bind();
+        // SAFETY: created in `new`, destroyed once; pending copies finish on their own (CUDA
+        // completes enqueued work of a destroyed stream) and hold their memories.
+        let rc = unsafe { sys::cuStreamDestroy_v2(self.stream) };
+        if rc != sys::CUresult::CUDA_SUCCESS {
+            tracing::warn!(?rc, "cuStreamDestroy failed");
+        }
+    }
+}
+
+/// A copy in flight. [`Self::poll`] is cheap (`cuEventQuery`); dropping it before completion
+/// waits for the copy, so its memories are never freed while the GPU still uses them.
+#[derive(Debug)]
+pub struct PendingCopy {
+    gpu: Arc<Gpu>,
+    event: sys::CUevent,
+    _keep: (Arc<dyn DeviceRange>, Arc<dyn DeviceRange>),
+    done: bool,
+}
+
+// SAFETY: the event handle may be queried from any thread with the context current.
+unsafe impl Send for PendingCopy {}
+
+impl PendingCopy {
+    /// Whether the copy has finished.
+    ///
+    /// # Errors
+    /// [`IpcError::Driver`] if the copy failed.
+    pub fn poll(&mut self) -> Result<bool, IpcError> {
+        if self.done {
+            return Ok(true);
+        }
+        self.gpu.bind()?;
+        // SAFETY: `event` is live until `Drop`.
+        match unsafe { sys::cuEventQuery(self.event) } {
+            sys::CUresult::CUDA_SUCCESS => {
+                self.done = true;
+                Ok(true)
+            }
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            rc => check("cuEventQuery", rc).map(|()| false),
+        }
+    }
+}
+
+impl Drop for PendingCopy {
+    fn drop(&mut self) {
+        let _ = self.gpu.bind();
+        if !self.done {
+            // SAFETY: `event` is live; waiting keeps the memories alive until the GPU is done.
+            let _ = unsafe { sys::cuEventSynchronize(self.event) };
+        }
+        // SAFETY: created in `CopyStream::copy`, destroyed once here.
+        let _ = unsafe { sys::cuEventDestroy_v2(self.event) };
+    }
+}
