@@ -71,6 +71,11 @@ pub struct EngineConfig {
     /// Measure per-transfer prepare/post/total times in [`TransferStats`] (off by default: it
     /// reads the clock several times per transfer, which is costly on some clock sources).
     pub timing: bool,
+    /// Coalesce small transfers: transfers of at most [`COALESCE_MAX_WRS`] work requests
+    /// submitted in the same executor tick on one connection are posted with one doorbell, and
+    /// only the last of them (plus every `signal_interval`-th request) is signaled; the others
+    /// complete with it (RC completes in order).
+    pub coalesce: bool,
     /// Fail to start when no RDMA device can be opened (`false`: such a core still serves host
     /// memory and the FILE tier; RDMA calls then fail with a typed error).
     pub require_nic: bool,
@@ -96,6 +101,7 @@ impl Default for EngineConfig {
             transfer_timeout: Duration::from_secs(30),
             recv_spin_polls: 50_000,
             timing: false,
+            coalesce: true,
             require_nic: true,
             file: crate::file::FileConfig::default(),
         }
@@ -217,6 +223,24 @@ struct Conn {
     inbox: VecDeque<Message>,
     inbox_waiter: Option<Waker>,
     max_msg: u64,
+    /// Work requests of small transfers waiting for this tick's coalesced post.
+    queue: VecDeque<QueuedWr>,
+    /// A flush task for `queue` is scheduled.
+    flush_scheduled: bool,
+}
+
+/// Transfers of at most this many work requests are coalesced (see [`EngineConfig::coalesce`]).
+pub const COALESCE_MAX_WRS: usize = 4;
+
+/// One queued work request of a coalesced transfer.
+struct QueuedWr {
+    slot: SlotId,
+    op: SendOp,
+    sges: Vec<Sge>,
+    /// The transfer's last request (its WRs are queued and posted together).
+    last: bool,
+    /// Number of requests of its transfer (on the first one).
+    count: usize,
 }
 
 /// What a transfer slot keeps alive until the NIC is done with it.
@@ -487,6 +511,8 @@ impl Engine {
             inbox: VecDeque::new(),
             inbox_waiter: None,
             max_msg: u64::from(u32::MAX),
+            queue: VecDeque::new(),
+            flush_scheduled: false,
         });
         tracing::debug!(
             engine = self.inner.id,
@@ -563,6 +589,16 @@ impl Engine {
         self.wait_idle(conn).await;
         let mut st = self.inner.state.borrow_mut();
         if st.conns.contains(conn.0 as usize) {
+            let State {
+                conns, inflight, ..
+            } = &mut *st;
+            if let Some(c) = conns.get_mut(conn.0 as usize) {
+                fail_queue(
+                    c,
+                    inflight,
+                    &TransferError::Connection(conn.0, "closed".into()),
+                );
+            }
             let c = st.conns.remove(conn.0 as usize);
             let qpn = c.qp.qpn();
             st.qpn_to_conn.retain(|&(q, _)| q != qpn);
@@ -1192,6 +1228,15 @@ async fn transfer_inner(
     let mut next = 0usize;
     let mut doorbells = 0usize;
     let mut post_err = None;
+    let coalesced =
+        inner.cfg.coalesce && plan.wrs.len() <= COALESCE_MAX_WRS && opts.notify_imm.is_none();
+    if coalesced {
+        // Posted by this tick's flush; the flush ends posting for the slot.
+        if let Err(e) = inner.enqueue(conn.0, slot, op, &plan) {
+            post_err = Some(e);
+        }
+        next = plan.wrs.len();
+    }
     while next < plan.wrs.len() {
         let free = match inner.credits(conn.0).await {
             Ok(f) => f as usize,
@@ -1215,7 +1260,7 @@ async fn transfer_inner(
         }
     }
     let posted = clock();
-    {
+    if !coalesced || post_err.is_some() {
         let mut st = inner.state.borrow_mut();
         if let Some(e) = post_err {
             st.inflight.fail(slot, e);
@@ -1234,6 +1279,212 @@ async fn transfer_inner(
         post: since(prepared, posted),
         total: since(t0, clock()),
     })
+}
+
+/// Ends every queued (not yet posted) transfer of `c` with `err`.
+fn fail_queue(c: &mut Conn, inflight: &mut InflightTable<KeepAlive>, err: &TransferError) {
+    for q in c.queue.drain(..) {
+        inflight.fail(q.slot, err.clone());
+        if q.last {
+            inflight.finish_posting(q.slot);
+        }
+    }
+}
+
+impl Inner {
+    /// Queues a small transfer's requests for this tick's coalesced post (see
+    /// [`EngineConfig::coalesce`]) and makes sure a flush is scheduled.
+    fn enqueue(
+        self: &Rc<Self>,
+        conn: u32,
+        slot: SlotId,
+        op: Op,
+        plan: &Plan,
+    ) -> Result<(), TransferError> {
+        let mut st = self.state.borrow_mut();
+        let c = st
+            .conns
+            .get_mut(conn as usize)
+            .ok_or_else(|| TransferError::Connection(conn, "unknown".into()))?;
+        match &c.status {
+            ConnStatus::Ready => {}
+            ConnStatus::Failed(why) => return Err(TransferError::Connection(conn, why.clone())),
+            ConnStatus::Prepared => {
+                return Err(TransferError::Connection(conn, "not connected".into()))
+            }
+        }
+        let n = plan.wrs.len();
+        for (i, wr) in plan.wrs.iter().enumerate() {
+            let op = match op {
+                Op::Write => SendOp::Write {
+                    remote_addr: wr.remote_addr,
+                    rkey: wr.rkey,
+                },
+                Op::Read => SendOp::Read {
+                    remote_addr: wr.remote_addr,
+                    rkey: wr.rkey,
+                },
+            };
+            c.queue.push_back(QueuedWr {
+                slot,
+                op,
+                sges: plan.sges_of(wr).to_vec(),
+                last: i + 1 == n,
+                count: if i == 0 { n } else { 0 },
+            });
+        }
+        if !c.flush_scheduled {
+            c.flush_scheduled = true;
+            drop(st);
+            glommio::spawn_local(flush_queue(Rc::clone(self), conn)).detach();
+        }
+        Ok(())
+    }
+
+    /// Posts whole queued transfers of `conn` that fit in `free` send-queue slots with one
+    /// doorbell. Only the batch's last request and every `signal_interval`-th are signaled; a
+    /// transfer whose last request is unsignaled is covered by the batch's last transfer.
+    /// Returns how many requests were posted (0: the first transfer needs more credits).
+    fn post_queued(&self, conn: u32, free: usize) -> Result<usize, TransferError> {
+        let mut st = self.state.borrow_mut();
+        let State {
+            conns,
+            inflight,
+            batch,
+            ..
+        } = &mut *st;
+        let c = conns
+            .get_mut(conn as usize)
+            .ok_or_else(|| TransferError::Connection(conn, "unknown".into()))?;
+        // Transfers whose futures went away before posting: drop their requests (their memory
+        // may already be released).
+        c.queue.retain(|q| inflight.contains(q.slot));
+        let limit = free.min(self.cfg.post_batch.max(1) as usize);
+        let mut n = 0;
+        let mut i = 0;
+        while let Some(q) = c.queue.get(i) {
+            let count = q.count.max(1);
+            if n + count > limit {
+                break;
+            }
+            n += count;
+            i += count;
+        }
+        if n == 0 {
+            return Ok(0);
+        }
+        let signals = c.credits.plan(n as u32);
+        batch.clear();
+        let mut regions: Vec<Region> = Vec::new();
+        for (q, signal) in c.queue.iter().take(n).zip(signals.flags()) {
+            batch.push(
+                q.slot.wr_id(signal),
+                q.op,
+                &q.sges,
+                SendFlags {
+                    signaled: signal,
+                    ..SendFlags::default()
+                },
+            );
+            if let Some(k) = inflight.keepalive(q.slot) {
+                for r in &k._regions {
+                    if !regions.iter().any(|x| x.same(r)) {
+                        regions.push(r.clone());
+                    }
+                }
+            }
+        }
+        let regs: Vec<&dyn rixl_verbs::OwnedRegistration> =
+            regions.iter().filter_map(Region::registration).collect();
+        if let Err(e) = c.qp.post_send_in(batch, &regs) {
+            return Err(TransferError::Post(e.to_string()));
+        }
+        let flags: Vec<bool> = signals.flags().collect();
+        c.credits.commit(signals);
+        let posted: Vec<QueuedWr> = c.queue.drain(..n).collect();
+        let cover_by = posted.last().map(|q| q.slot);
+        for (q, signal) in posted.iter().zip(flags) {
+            if signal {
+                inflight.add_signaled(q.slot, 1);
+            }
+            if let (true, false, Some(by)) = (q.last, signal, cover_by) {
+                inflight.cover(by, q.slot);
+            }
+        }
+        for q in posted.iter().filter(|q| q.last) {
+            inflight.finish_posting(q.slot);
+        }
+        bump(&self.counters, |k| {
+            k.work_requests += n as u64;
+            k.doorbells += 1;
+        });
+        Ok(n)
+    }
+
+    /// Waits until `conn` has at least `k` free send-queue slots (or fails).
+    async fn credits_at_least(&self, conn: u32, k: usize) -> Result<usize, TransferError> {
+        loop {
+            let free = self.credits(conn).await? as usize;
+            if free >= k {
+                return Ok(free);
+            }
+            // Fewer than a whole transfer: wait for the next signaled completion.
+            poll_fn(|cx| {
+                let mut st = self.state.borrow_mut();
+                match st.conns.get_mut(conn as usize) {
+                    Some(c)
+                        if (c.credits.available() as usize) < k
+                            && c.status == ConnStatus::Ready =>
+                    {
+                        c.credit_waiters.push(cx.waker().clone());
+                        Poll::Pending
+                    }
+                    _ => Poll::Ready(()),
+                }
+            })
+            .await;
+        }
+    }
+}
+
+/// Posts `conn`'s queued small transfers, one doorbell per batch, until the queue is empty.
+async fn flush_queue(inner: Rc<Inner>, conn: u32) {
+    loop {
+        let need = {
+            let st = inner.state.borrow();
+            let Some(c) = st.conns.get(conn as usize) else {
+                return;
+            };
+            c.queue.front().map(|q| q.count.max(1))
+        };
+        let Some(need) = need else {
+            if let Some(c) = inner.state.borrow_mut().conns.get_mut(conn as usize) {
+                c.flush_scheduled = false;
+            }
+            return;
+        };
+        let result = match inner.credits_at_least(conn, need).await {
+            Ok(free) => inner.post_queued(conn, free),
+            Err(e) => Err(e),
+        };
+        match result {
+            Ok(_) => inner.kick_progress(),
+            Err(e) => {
+                if matches!(e, TransferError::Post(_)) {
+                    inner.fail_connection(conn, "post failed", &TransferError::Flushed);
+                }
+                let mut st = inner.state.borrow_mut();
+                let State {
+                    conns, inflight, ..
+                } = &mut *st;
+                if let Some(c) = conns.get_mut(conn as usize) {
+                    fail_queue(c, inflight, &e);
+                    c.flush_scheduled = false;
+                }
+                return;
+            }
+        }
+    }
 }
 
 /// Posts one signaled work request (SEND) owning `keep` until completion.

@@ -59,6 +59,9 @@ struct Slot<K> {
     expired: bool,
     error: Option<TransferError>,
     waker: Option<Waker>,
+    /// Slots whose last work request was posted unsignaled before this slot's signaled one:
+    /// they are complete once this slot is.
+    covers: Vec<SlotId>,
     keepalive: K,
 }
 
@@ -130,6 +133,7 @@ impl<K> InflightTable<K> {
             expired: false,
             error: None,
             waker: None,
+            covers: Vec::new(),
             keepalive,
         });
         SlotId {
@@ -206,11 +210,16 @@ impl<K> InflightTable<K> {
         } else {
             None
         };
+        let covers = if done {
+            std::mem::take(&mut slot.covers)
+        } else {
+            Vec::new()
+        };
         self.signaled_outstanding = self.signaled_outstanding.saturating_sub(1);
         if !done {
             return Routed::Progress;
         }
-        if detached {
+        let routed = if detached {
             self.slots.remove(key as usize);
             Routed::Released
         } else {
@@ -218,6 +227,54 @@ impl<K> InflightTable<K> {
                 w.wake();
             }
             Routed::Finished
+        };
+        for c in covers {
+            self.release_cover(c);
+        }
+        routed
+    }
+
+    /// Makes `covered` (posted, its last request unsignaled) complete when `by` completes: `by`'s
+    /// signaled request was posted after it on the same queue pair, and RC completes in order.
+    pub fn cover(&mut self, by: SlotId, covered: SlotId) {
+        if by == covered || !self.contains(covered) {
+            return;
+        }
+        match self.get_mut(by) {
+            Some(b) if b.outstanding != 0 || b.posting => b.covers.push(covered),
+            // `by` is gone or already done: `covered`'s requests are complete too.
+            _ => return,
+        }
+        if let Some(c) = self.get_mut(covered) {
+            c.outstanding += 1;
+        }
+    }
+
+    fn release_cover(&mut self, id: SlotId) {
+        let Some(s) = self.get_mut(id) else { return };
+        s.outstanding = s.outstanding.saturating_sub(1);
+        if s.outstanding > 0 || s.posting {
+            return;
+        }
+        if s.detached {
+            self.slots.remove(id.key as usize);
+        } else if let Some(w) = s.waker.take() {
+            w.wake();
+        }
+    }
+
+    /// Ends posting (as [`Self::end_posting`]) for a transfer whose future is already waiting:
+    /// wakes it, or releases a detached slot, when nothing is outstanding.
+    pub fn finish_posting(&mut self, id: SlotId) {
+        let Some(s) = self.get_mut(id) else { return };
+        s.posting = false;
+        if s.outstanding > 0 {
+            return;
+        }
+        if s.detached {
+            self.slots.remove(id.key as usize);
+        } else if let Some(w) = s.waker.take() {
+            w.wake();
         }
     }
 
@@ -553,5 +610,80 @@ mod tests {
             Poll::Ready(Err(TransferError::Timeout(_)))
         ));
         assert_eq!(t.poll(b, &mut cx), Poll::Ready(Ok(())));
+    }
+
+    #[test]
+    fn covered_transfers_complete_with_the_signaled_one_after_them() {
+        let mut t = InflightTable::new();
+        // A and B posted unsignaled, C's (later) request signaled: one CQE completes all three.
+        let (a, b, c) = (t.insert(0, ()), t.insert(0, ()), t.insert(0, ()));
+        let (count, w) = waker();
+        let mut cx = Context::from_waker(&w);
+        for id in [a, b, c] {
+            assert!(t.poll(id, &mut cx).is_pending());
+        }
+        t.add_signaled(c, 1);
+        t.cover(c, a);
+        t.cover(c, b);
+        for id in [a, b, c] {
+            t.finish_posting(id);
+        }
+        assert_eq!(
+            count.0.load(Ordering::SeqCst),
+            0,
+            "nothing completes before the CQE"
+        );
+        assert_eq!(t.signaled_outstanding(), 1, "covers are not NIC work");
+        let mut cq = FakeCq::default();
+        cq.complete(c, true);
+        assert_eq!(cq.drain(&mut t), vec![Routed::Finished]);
+        assert_eq!(count.0.load(Ordering::SeqCst), 3, "C, then A and B, woken");
+        for id in [a, b, c] {
+            assert_eq!(t.poll(id, &mut cx), Poll::Ready(Ok(())));
+        }
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn a_covered_transfer_keeps_its_own_error_and_a_detached_one_is_released() {
+        let mut t = InflightTable::new();
+        let (a, b, c) = (t.insert(0, ()), t.insert(0, ()), t.insert(0, ()));
+        t.add_signaled(c, 1);
+        t.cover(c, a);
+        t.cover(c, b);
+        for id in [a, b, c] {
+            t.finish_posting(id);
+        }
+        // B's future went away: its slot (and keep-alive) stays until C's completion.
+        assert!(!t.detach(b));
+        assert!(t.contains(b));
+        // A's unsignaled request fails (errors always complete); C is flushed.
+        let mut cq = FakeCq::default();
+        cq.fail(a, false, WcStatus::RemoteAccessError);
+        cq.fail(c, true, WcStatus::WorkRequestFlushError);
+        cq.drain(&mut t);
+        assert!(!t.contains(b), "detached and covered: released with C");
+        let (_, w) = waker();
+        let mut cx = Context::from_waker(&w);
+        assert!(matches!(
+            t.poll(a, &mut cx),
+            Poll::Ready(Err(TransferError::RemoteAccess { .. }))
+        ));
+        assert_eq!(t.poll(c, &mut cx), Poll::Ready(Err(TransferError::Flushed)));
+        assert!(t.is_empty());
+    }
+
+    #[test]
+    fn covering_by_a_finished_or_unknown_slot_is_a_no_op() {
+        let mut t = InflightTable::new();
+        let a = t.insert(0, ());
+        let gone = t.insert(0, ());
+        t.finish_posting(gone);
+        let (_, w) = waker();
+        let mut cx = Context::from_waker(&w);
+        assert_eq!(t.poll(gone, &mut cx), Poll::Ready(Ok(())));
+        t.cover(gone, a);
+        t.finish_posting(a);
+        assert_eq!(t.poll(a, &mut cx), Poll::Ready(Ok(())));
     }
 }

@@ -50,6 +50,7 @@ fn engine_config(a: &Args, test: Test, max_size: u64, tx_depth: u32, conns: u32)
     }
     cfg.connect.port = a.ib_port;
     cfg.poll_mode = a.poll_mode;
+    cfg.coalesce = a.coalesce;
     cfg.max_connections = conns.max(1);
     cfg.send_queue_depth = tx_depth.clamp(64, 1024);
     cfg.post_batch = 64;
