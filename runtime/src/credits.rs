@@ -41,10 +41,16 @@ impl SendCredits {
     /// Plans the signal flags of a batch of `n` requests (`n <= available()`): every
     /// `interval`-th request and the last one are signaled. Call [`Self::commit`] after posting.
     pub fn plan(&self, n: u32) -> BatchPlan {
+        self.plan_every(n, self.interval)
+    }
+
+    /// As [`Self::plan`], signaling at least every `interval` requests (a tighter interval than
+    /// the connection's, for batches whose transfers complete with the next signal).
+    pub fn plan_every(&self, n: u32, interval: u32) -> BatchPlan {
         BatchPlan {
             n,
             since: self.since_signal,
-            interval: self.interval,
+            interval: interval.clamp(1, self.interval),
         }
     }
 

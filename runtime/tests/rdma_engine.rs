@@ -206,6 +206,98 @@ fn scattered_write_and_read_of_1_100_10k_100k_descriptors() {
     pool.shutdown();
 }
 
+/// Polls every future to completion (a minimal join_all).
+fn join_all<F: std::future::Future + Unpin>(mut futs: Vec<F>) -> Vec<F::Output> {
+    let mut out: Vec<Option<F::Output>> = futs.iter().map(|_| None).collect();
+    block_on(std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, o) in futs.iter_mut().zip(out.iter_mut()) {
+            if o.is_none() {
+                match std::pin::Pin::new(f).poll(cx) {
+                    std::task::Poll::Ready(v) => *o = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    }));
+    out.into_iter().map(|o| o.expect("ready")).collect()
+}
+
+#[test]
+fn concurrent_small_transfers_share_doorbells_and_completions() {
+    let mut cfg = config();
+    cfg.coalesce = true;
+    let Some((pool, h, mut peer, conn)) = connected_pool(
+        "concurrent_small_transfers_share_doorbells_and_completions",
+        &cfg,
+    ) else {
+        return;
+    };
+    let region = block_on(h.register(REGION)).expect("register");
+    let n = 2000u64;
+    let mut data = vec![0u8; REGION];
+    fill(&mut data, 77);
+    region.write_at(0, &data).expect("fill");
+    let (before, _) = block_on(h.counters()).expect("counters");
+    // One descriptor per future, all submitted at once, like a decode step's block writes.
+    let futs: Vec<_> = (0..n)
+        .map(|i| {
+            let mut l = LocalDescList::new();
+            l.push(&region, local_slot(i) * SLOT, BLOCK);
+            let r = RemoteDescList(vec![peer.remote(remote_slot(i) * SLOT, BLOCK)]);
+            Box::pin(h.write(conn, l, r))
+        })
+        .collect();
+    for r in join_all(futs) {
+        assert_eq!(r.expect("write").bytes, BLOCK);
+    }
+    let (after, inflight) = block_on(h.counters()).expect("counters");
+    assert_eq!(inflight, 0);
+    let want = region_sum(&region, n, local_slot);
+    let got: u64 = peer.cmd(&format!("sum {n}")).parse().expect("sum");
+    assert_eq!(got, want, "every block landed");
+    let doorbells = after.doorbells - before.doorbells;
+    let completions = after.completions - before.completions;
+    report(&format!(
+        "{n} concurrent 1-descriptor WRITEs: {doorbells} doorbells, {completions} completions"
+    ));
+    assert_eq!(after.work_requests - before.work_requests, n);
+    assert!(doorbells * 2 <= n, "doorbells were shared: {doorbells}");
+    assert!(completions * 2 <= n, "signals were shared: {completions}");
+    // The same with coalescing off: one doorbell and one completion per transfer.
+    peer.finish();
+    pool.shutdown();
+    let mut off = config();
+    off.coalesce = false;
+    let Some((pool, h, mut peer, conn)) = connected_pool("coalescing off", &off) else {
+        return;
+    };
+    let region = block_on(h.register(REGION)).expect("register");
+    region.write_at(0, &data).expect("fill");
+    let futs: Vec<_> = (0..200u64)
+        .map(|i| {
+            let mut l = LocalDescList::new();
+            l.push(&region, local_slot(i) * SLOT, BLOCK);
+            let r = RemoteDescList(vec![peer.remote(remote_slot(i) * SLOT, BLOCK)]);
+            Box::pin(h.write(conn, l, r))
+        })
+        .collect();
+    for r in join_all(futs) {
+        r.expect("write");
+    }
+    let (c, _) = block_on(h.counters()).expect("counters");
+    assert_eq!(c.doorbells, 200);
+    let got: u64 = peer.cmd("sum 200").parse().expect("sum");
+    assert_eq!(got, region_sum(&region, 200, local_slot));
+    peer.finish();
+    pool.shutdown();
+}
+
 #[test]
 fn many_tasks_on_many_threads_share_two_engines() {
     let cfg = config();

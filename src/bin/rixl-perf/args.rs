@@ -64,7 +64,7 @@ pub struct Args {
     pub report_gbits: bool,
     pub out_json: Option<String>,
     pub poll_mode: PollMode,
-    /// Coalesce small transfers' doorbells and signals (the engine default).
+    /// Coalesce small transfers' doorbells and signals (`--coalesce`; off by default).
     pub coalesce: bool,
     pub engines: u32,
     pub cpu: Option<usize>,
@@ -91,7 +91,7 @@ usage: rixl-perf TEST [options] [server-host]
         --out_json_file <f>   ... to this file
   rixl options:
         --poll-mode busy|event   engine completion mode (default busy)
-        --no-coalesce            one doorbell and one signaled completion per transfer
+        --coalesce               share doorbells and signaled completions among small transfers
         --engines <n>            engines (cores) on the client for bw tests (default 1)
         --cpu <n>                first CPU to pin engines to (default: client 0, server the last)";
 
@@ -127,7 +127,7 @@ pub fn parse(argv: &[String]) -> Result<Args, String> {
         report_gbits: false,
         out_json: None,
         poll_mode: PollMode::Busy,
-        coalesce: true,
+        coalesce: false,
         engines: 1,
         cpu: None,
     };
@@ -164,7 +164,7 @@ pub fn parse(argv: &[String]) -> Result<Args, String> {
             "--report_gbits" => a.report_gbits = true,
             "--out_json" => a.out_json = a.out_json.or(Some("perftest_out.json".into())),
             "--out_json_file" => a.out_json = Some(val(&mut it)?),
-            "--no-coalesce" => a.coalesce = false,
+            "--coalesce" => a.coalesce = true,
             "--poll-mode" => {
                 a.poll_mode = match val(&mut it)?.as_str() {
                     "busy" => PollMode::Busy,
