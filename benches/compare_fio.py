@@ -47,12 +47,13 @@ def main():
     ap.add_argument("--iodepth", type=int, default=32)
     ap.add_argument("--cpu", type=int, default=0)
     ap.add_argument("--quick", action="store_true", help="one round, 256m, two block sizes")
+    ap.add_argument("--sizes", default="128k,256k,512k,1m", help="comma-separated block sizes")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     d = a.dir or os.path.join(os.path.dirname(a.out), "compare-fio-data")
     os.makedirs(d, exist_ok=True)
     path = os.path.join(d, "bench.bin")
-    sizes = ["128k", "256k", "512k", "1m"]
+    sizes = a.sizes.split(",")
     rws = ["write", "read", "randwrite", "randread"]
     if a.quick:
         a.rounds, a.size, sizes = 1, "256m", ["128k", "1m"]

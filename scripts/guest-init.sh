@@ -50,7 +50,12 @@ else
   RUN $IP link set d0 mtu 9000 up
   RUN $IP addr add 198.18.0.1/24 dev d0
   RUN /usr/bin/rdma link add rxe0 type rxe netdev d0 || fail "rdma link add (d0)"
-  guest_env="export RIXL_GUEST_ADDR=198.18.0.1 RIXL_GUEST_INDEX=0"
+  # A second rail for multi-rail tests (rxe1 on its own dummy link; each rail loops back).
+  RUN $IP link add d1 type dummy || fail "ip link add d1"
+  RUN $IP link set d1 mtu 9000 up
+  RUN $IP addr add 198.18.1.1/24 dev d1
+  RUN /usr/bin/rdma link add rxe1 type rxe netdev d1 || fail "rdma link add (d1)"
+  guest_env="export RIXL_GUEST_ADDR=198.18.0.1 RIXL_GUEST_INDEX=0 RIXL_GUEST_RAILS=rxe0,rxe1"
 fi
 [ -e /sys/class/infiniband/rxe0 ] || fail "no rxe0"
 say "rxe0 ready ($(cat /proc/uptime | cut -d' ' -f1)s since boot)"

@@ -4,7 +4,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use rixl_gpudirect::GpuRegistration;
-use rixl_verbs::{HostBuffer, OwnedRegistration, RegisteredBuffer};
+use rixl_verbs::{HostBuffer, OwnedRegistration, RegisteredBuffer, SharedRegistration};
 
 /// Memory owned by an engine. Cheap to clone; the memory stays allocated (and registered) until
 /// the last clone is dropped **and** no in-flight transfer uses it (the in-flight table holds
@@ -21,6 +21,7 @@ enum Memory {
     Nic(RegisteredBuffer),
     Host(HostBuffer),
     Gpu(GpuRegistration),
+    Shared(SharedRegistration),
 }
 
 struct RegionInner {
@@ -58,6 +59,15 @@ impl Region {
         }
     }
 
+    pub(crate) fn shared(reg: SharedRegistration, engine: u64) -> Self {
+        Region {
+            inner: Arc::new(RegionInner {
+                mem: Memory::Shared(reg),
+                engine,
+            }),
+        }
+    }
+
     pub(crate) fn host(buf: HostBuffer, engine: u64) -> Self {
         Region {
             inner: Arc::new(RegionInner {
@@ -83,6 +93,7 @@ impl Region {
         match &self.inner.mem {
             Memory::Nic(b) => Some(b.memory()),
             Memory::Host(b) => Some(b),
+            Memory::Shared(r) => Some(r.memory()),
             Memory::Gpu(_) => None,
         }
     }
@@ -91,7 +102,7 @@ impl Region {
     pub fn nic_buffer(&self) -> Option<&RegisteredBuffer> {
         match &self.inner.mem {
             Memory::Nic(b) => Some(b),
-            Memory::Host(_) | Memory::Gpu(_) => None,
+            Memory::Host(_) | Memory::Gpu(_) | Memory::Shared(_) => None,
         }
     }
 
@@ -108,6 +119,7 @@ impl Region {
         match &self.inner.mem {
             Memory::Nic(b) => Some(b),
             Memory::Gpu(g) => Some(g),
+            Memory::Shared(r) => Some(r),
             Memory::Host(_) => None,
         }
     }
@@ -117,7 +129,7 @@ impl Region {
     pub(crate) fn nic_slice(&self) -> &[RegisteredBuffer] {
         match &self.inner.mem {
             Memory::Nic(b) => std::slice::from_ref(b),
-            Memory::Host(_) | Memory::Gpu(_) => &[],
+            Memory::Host(_) | Memory::Gpu(_) | Memory::Shared(_) => &[],
         }
     }
 
@@ -320,4 +332,174 @@ pub enum Op {
     Write,
     /// Remote → local (RDMA READ).
     Read,
+}
+
+/// Splits a transfer's byte stream (the local and remote lists read in order) into slices of
+/// `slice` bytes dealt round-robin over `parts` parts (multi-rail striping). Part `i` gets the
+/// local and remote pieces of its slices, in stream order, against the same regions and keys as
+/// the input (callers map them to each rail's registration). Lists of different totals are
+/// split up to the shorter one (validation rejects them later anyway).
+pub fn split_stream(
+    local: &LocalDescList,
+    remote: &RemoteDescList,
+    parts: usize,
+    slice: u64,
+) -> Vec<(LocalDescList, RemoteDescList)> {
+    let parts = parts.max(1);
+    let slice = slice.max(1);
+    let mut out: Vec<(LocalDescList, RemoteDescList)> = (0..parts)
+        .map(|_| (LocalDescList::new(), RemoteDescList::default()))
+        .collect();
+    let (ld, regions) = (local.descs(), local.regions());
+    let rd = &remote.0;
+    let (mut li, mut loff, mut ri, mut roff) = (0usize, 0u64, 0usize, 0u64);
+    let mut pos = 0u64;
+    while li < ld.len() && ri < rd.len() {
+        let (l, r) = (ld[li], rd[ri]);
+        let in_slice = slice - pos % slice;
+        let n = (l.len - loff).min(r.len - roff).min(in_slice);
+        if n == 0 {
+            // Zero-length descriptors: skip (validation reports them).
+            if l.len == loff {
+                li += 1;
+                loff = 0;
+            }
+            if r.len == roff {
+                ri += 1;
+                roff = 0;
+            }
+            continue;
+        }
+        let part = ((pos / slice) as usize) % parts;
+        let (pl, pr) = &mut out[part];
+        pl.push(&regions[l.region as usize], l.offset + loff, n);
+        pr.0.push(RemoteDesc {
+            addr: r.addr + roff,
+            len: n,
+            rkey: r.rkey,
+        });
+        pos += n;
+        loff += n;
+        roff += n;
+        if loff == l.len {
+            li += 1;
+            loff = 0;
+        }
+        if roff == r.len {
+            ri += 1;
+            roff = 0;
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod split_tests {
+    use super::*;
+
+    #[test]
+    fn every_byte_goes_to_exactly_one_part_in_order() {
+        let a = Region::unregistered(1 << 20).unwrap();
+        let b = Region::unregistered(1 << 20).unwrap();
+        let mut local = LocalDescList::new();
+        // Uneven local pieces over two regions; remote pieces of another granularity.
+        local.push(&a, 0, 300_000);
+        local.push(&b, 4096, 700_000);
+        local.push(&a, 500_000, 48_576);
+        let remote = RemoteDescList(
+            (0..8)
+                .map(|i| RemoteDesc {
+                    addr: 0x10_0000 * (i + 1),
+                    len: 131_072,
+                    rkey: 7,
+                })
+                .collect(),
+        );
+        let parts = split_stream(&local, &remote, 3, 100_000);
+        assert_eq!(parts.len(), 3);
+        let total: u64 = parts.iter().map(|p| p.0.total_len()).sum();
+        assert_eq!(total, 1 << 20);
+        for (l, r) in &parts {
+            assert_eq!(l.total_len(), r.total_len());
+            assert!(l.descs().iter().all(|d| d.len <= 100_000));
+        }
+        // Re-assemble the stream from the slices in order and compare the (local, remote)
+        // address pairing at sampled byte positions with the original lists.
+        fn segments(l: &LocalDescList, r: &RemoteDescList) -> Vec<(u64, u64, u64)> {
+            let split = split_stream(l, r, 1, u64::MAX);
+            let (l, r) = &split[0];
+            l.descs()
+                .iter()
+                .zip(&r.0)
+                .map(|(d, x)| {
+                    (
+                        l.regions()[d.region as usize].addr() + d.offset,
+                        x.addr,
+                        d.len,
+                    )
+                })
+                .collect()
+        }
+        let original = segments(&local, &remote);
+        type Cursor = (Vec<(u64, u64, u64)>, usize, u64);
+        let mut cursors: Vec<Cursor> = parts
+            .iter()
+            .map(|(l, r)| {
+                let segs = l
+                    .descs()
+                    .iter()
+                    .zip(&r.0)
+                    .map(|(d, x)| {
+                        (
+                            l.regions()[d.region as usize].addr() + d.offset,
+                            x.addr,
+                            d.len,
+                        )
+                    })
+                    .collect();
+                (segs, 0, 0)
+            })
+            .collect();
+        let mut rebuilt = Vec::new();
+        let mut k = 0;
+        while rebuilt.iter().map(|s: &(u64, u64, u64)| s.2).sum::<u64>() < (1 << 20) {
+            let (segs, i, off) = &mut cursors[k % 3];
+            let mut want = 100_000u64;
+            while want > 0 && *i < segs.len() {
+                let (la, ra, n) = segs[*i];
+                let take = (n - *off).min(want);
+                rebuilt.push((la + *off, ra + *off, take));
+                *off += take;
+                want -= take;
+                if *off == n {
+                    *i += 1;
+                    *off = 0;
+                }
+            }
+            k += 1;
+        }
+        let at = |segs: &[(u64, u64, u64)], mut p: u64| {
+            for &(la, ra, n) in segs {
+                if p < n {
+                    return (la + p, ra + p);
+                }
+                p -= n;
+            }
+            panic!("position past the end");
+        };
+        for p in (0..(1u64 << 20)).step_by(997) {
+            assert_eq!(at(&rebuilt, p), at(&original, p), "byte {p}");
+        }
+        // Slice k (100 000 bytes) went to part k % 3.
+        assert_eq!(parts[0].0.total_len(), 400_000);
+        assert_eq!(parts[1].0.total_len(), 300_000 + 48_576);
+        assert_eq!(parts[2].0.total_len(), 300_000);
+        // The first slice starts at the first byte of both lists.
+        assert_eq!(parts[0].1 .0[0].addr, 0x10_0000);
+        assert_eq!(parts[0].0.descs()[0].offset, 0);
+        // One part is the identity.
+        let one = split_stream(&local, &remote, 1, 1 << 40);
+        assert_eq!(one[0].0.len(), 10);
+        assert_eq!(one[0].0.total_len(), 1 << 20);
+    }
 }

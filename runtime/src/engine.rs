@@ -436,6 +436,24 @@ impl Engine {
         Ok(Region::new(buf, self.inner.id))
     }
 
+    /// Registers host memory shared with other engines (multi-rail: one buffer, one registration
+    /// per NIC). Runs off the core.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Verbs`] if registration fails.
+    pub async fn register_shared(
+        &self,
+        mem: Arc<rixl_verbs::HostBuffer>,
+    ) -> Result<Region, RuntimeError> {
+        let pd = self.inner.pd.clone();
+        let reg = glommio::executor()
+            .spawn_blocking(move || {
+                rixl_verbs::SharedRegistration::register(&pd, mem, AccessFlags::ALL_RDMA)
+            })
+            .await?;
+        Ok(Region::shared(reg, self.inner.id))
+    }
+
     /// Allocates `len` bytes on GPU `ordinal` and registers them with this engine's NIC
     /// (GPUDirect RDMA: dma-buf first, nvidia-peermem second). Runs off the core.
     ///

@@ -22,6 +22,10 @@ type Reply<T> = oneshot::Sender<T>;
 enum Command {
     Register(usize, Reply<Result<Region, RuntimeError>>),
     RegisterGpu(i32, usize, Reply<Result<Region, RuntimeError>>),
+    RegisterShared(
+        std::sync::Arc<HostBuffer>,
+        Reply<Result<Region, RuntimeError>>,
+    ),
     Prepare(Reply<Result<(ConnId, Endpoint), RuntimeError>>),
     Complete(ConnId, Endpoint, Reply<Result<(), RuntimeError>>),
     Transfer {
@@ -141,6 +145,19 @@ impl EngineHandle {
     /// As [`Engine::register`], or [`RuntimeError::EngineGone`].
     pub async fn register(&self, len: usize) -> Result<Region, RuntimeError> {
         ask(&self.tx, |r| Command::Register(len, r))
+            .await
+            .unwrap_or(Err(RuntimeError::EngineGone))
+    }
+
+    /// See [`Engine::register_shared`]; [`RuntimeError::NoNic`] on a core without a NIC.
+    ///
+    /// # Errors
+    /// As [`Engine::register_shared`], or [`RuntimeError::EngineGone`].
+    pub async fn register_shared(
+        &self,
+        mem: std::sync::Arc<HostBuffer>,
+    ) -> Result<Region, RuntimeError> {
+        ask(&self.tx, |r| Command::RegisterShared(mem, r))
             .await
             .unwrap_or(Err(RuntimeError::EngineGone))
     }
@@ -325,6 +342,12 @@ async fn serve(engine: Option<Engine>, id: u64, mut rx: mpsc::UnboundedReceiver<
                 })
                 .detach();
             }
+            Command::RegisterShared(mem, r) => match e {
+                Some(e) => spawn(async move {
+                    let _ = r.send(e.register_shared(mem).await);
+                }),
+                None => no_nic(r),
+            },
             Command::RegisterGpu(ordinal, len, r) => match e {
                 Some(e) => spawn(async move {
                     let _ = r.send(e.register_gpu(ordinal, len).await);

@@ -3,18 +3,28 @@
 //!
 //! ```text
 //! "RIXLMD" | version u16 | total length u32 | name (u16 len + utf8) | generation u64
-//!          | side-channel address (u16 len + utf8) | region count u32
-//!          | regions: id u64, addr u64, len u64, rkey u32, kind u8
+//!          | side-channel address (u16 len + utf8) | rails u8 | region count u32
+//!          | regions: id u64, addr u64, len u64, rkey u32 per rail, kind u8
 //!          | FNV-1a 64 of everything before
+//! ```
+//!
+//! Version 2 added the rails (one rkey per NIC the agent stripes over); version 1 blobs (one
+//! rkey, no rails byte) are still read.
+//!
+//! ```text
 //! ```
 
 /// Current format version.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
+/// Most rails (NICs) a region can be registered on.
+pub const MAX_RAILS: usize = 8;
 const MAGIC: &[u8; 6] = b"RIXLMD";
 /// Largest blob accepted.
 pub const MAX_BLOB: usize = 64 << 20;
 const MAX_NAME: usize = 256;
-const REGION_BYTES: usize = 8 + 8 + 8 + 4 + 1;
+const fn region_bytes(rails: usize) -> usize {
+    8 + 8 + 8 + 4 * rails + 1
+}
 
 /// Memory kind of a region.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,10 +45,23 @@ pub struct RegionInfo {
     pub addr: u64,
     /// Length.
     pub len: u64,
-    /// Remote key.
+    /// Remote key (rail 0).
     pub rkey: u32,
     /// Memory kind.
     pub kind: MemKind,
+    /// Remote keys of rails 1.. (`rail_rkeys[i - 1]` for rail `i`; unused entries are 0).
+    pub rail_rkeys: [u32; MAX_RAILS - 1],
+}
+
+impl RegionInfo {
+    /// The remote key on rail `rail`.
+    pub fn rkey_on(&self, rail: usize) -> u32 {
+        if rail == 0 {
+            self.rkey
+        } else {
+            self.rail_rkeys.get(rail - 1).copied().unwrap_or(0)
+        }
+    }
 }
 
 /// A peer's metadata.
@@ -52,6 +75,8 @@ pub struct AgentMetadata {
     pub address: String,
     /// Regions visible to the reader this blob was made for.
     pub regions: Vec<RegionInfo>,
+    /// NICs (rails) the agent's regions are registered on (1 without multi-rail).
+    pub rails: u8,
 }
 
 /// Why a blob was rejected.
@@ -100,6 +125,10 @@ impl AgentMetadata {
                 "name or address over 256 bytes".into(),
             ));
         }
+        let rails = usize::from(self.rails.max(1));
+        if rails > MAX_RAILS {
+            return Err(MetadataError::TooLarge(format!("{rails} rails")));
+        }
         let size = 6
             + 2
             + 4
@@ -108,8 +137,9 @@ impl AgentMetadata {
             + 8
             + 2
             + self.address.len()
+            + 1
             + 4
-            + self.regions.len() * REGION_BYTES
+            + self.regions.len() * region_bytes(rails)
             + 8;
         if size > MAX_BLOB {
             return Err(MetadataError::TooLarge(format!("{size} bytes")));
@@ -121,12 +151,15 @@ impl AgentMetadata {
         put_str(&mut out, &self.name);
         out.extend_from_slice(&self.generation.to_be_bytes());
         put_str(&mut out, &self.address);
+        out.push(rails as u8);
         out.extend_from_slice(&(self.regions.len() as u32).to_be_bytes());
         for r in &self.regions {
             out.extend_from_slice(&r.id.to_be_bytes());
             out.extend_from_slice(&r.addr.to_be_bytes());
             out.extend_from_slice(&r.len.to_be_bytes());
-            out.extend_from_slice(&r.rkey.to_be_bytes());
+            for rail in 0..rails {
+                out.extend_from_slice(&r.rkey_on(rail).to_be_bytes());
+            }
             out.push(match r.kind {
                 MemKind::Dram => 0,
                 MemKind::Vram => 1,
@@ -153,7 +186,7 @@ impl AgentMetadata {
             return Err(MetadataError::BadMagic);
         }
         let version = u16::from_be_bytes([b[6], b[7]]);
-        if version != VERSION {
+        if version != VERSION && version != 1 {
             return Err(MetadataError::IncompatibleVersion(version));
         }
         let total = u32::from_be_bytes([b[8], b[9], b[10], b[11]]) as usize;
@@ -182,8 +215,16 @@ impl AgentMetadata {
         }
         let generation = r.u64()?;
         let address = r.string()?;
+        let rails = if version == 1 {
+            1
+        } else {
+            usize::from(r.u8()?)
+        };
+        if rails == 0 || rails > MAX_RAILS {
+            return Err(MetadataError::Invalid(format!("{rails} rails")));
+        }
         let count = r.u32()? as usize;
-        if count.saturating_mul(REGION_BYTES) != body.len() - r.at {
+        if count.saturating_mul(region_bytes(rails)) != body.len() - r.at {
             return Err(MetadataError::Invalid(format!(
                 "{count} regions do not fit the blob"
             )));
@@ -191,6 +232,10 @@ impl AgentMetadata {
         let mut regions = Vec::with_capacity(count);
         for _ in 0..count {
             let (id, addr, len, rkey) = (r.u64()?, r.u64()?, r.u64()?, r.u32()?);
+            let mut rail_rkeys = [0u32; MAX_RAILS - 1];
+            for k in rail_rkeys.iter_mut().take(rails - 1) {
+                *k = r.u32()?;
+            }
             let kind = match r.u8()? {
                 0 => MemKind::Dram,
                 1 => MemKind::Vram,
@@ -205,6 +250,7 @@ impl AgentMetadata {
                 len,
                 rkey,
                 kind,
+                rail_rkeys,
             });
         }
         Ok(AgentMetadata {
@@ -212,6 +258,7 @@ impl AgentMetadata {
             generation,
             address,
             regions,
+            rails: rails as u8,
         })
     }
 }
@@ -277,8 +324,10 @@ mod tests {
                     len: 1 << 20,
                     rkey: 0x100 + i as u32,
                     kind: MemKind::Dram,
+                    rail_rkeys: [0x200 + i as u32, 0, 0, 0, 0, 0, 0],
                 })
                 .collect(),
+            rails: 2,
         }
     }
 
@@ -329,11 +378,11 @@ mod tests {
             AgentMetadata::decode(b"GET / HTTP/1.1\r\n\r\n"),
             Err(MetadataError::BadMagic)
         );
-        let mut v2 = blob.clone();
-        v2[7] = 2;
+        let mut v3 = blob.clone();
+        v3[7] = 3;
         assert_eq!(
-            AgentMetadata::decode(&v2),
-            Err(MetadataError::IncompatibleVersion(2))
+            AgentMetadata::decode(&v3),
+            Err(MetadataError::IncompatibleVersion(3))
         );
         let mut forged = blob.clone();
         let n = forged.len();
@@ -348,5 +397,35 @@ mod tests {
             ..sample()
         };
         assert!(matches!(long.encode(), Err(MetadataError::TooLarge(_))));
+    }
+
+    #[test]
+    fn a_single_rail_blob_of_version_1_is_still_read() {
+        // Version 1: no rails byte, one rkey per region.
+        let one = AgentMetadata {
+            rails: 1,
+            regions: sample()
+                .regions
+                .into_iter()
+                .map(|r| RegionInfo {
+                    rail_rkeys: [0; MAX_RAILS - 1],
+                    ..r
+                })
+                .collect(),
+            ..sample()
+        };
+        let v2 = one.encode().expect("encode");
+        // Rebuild it as version 1: drop the rails byte after the address, fix length and sum.
+        let addr_end = 12 + 2 + one.name.len() + 8 + 2 + one.address.len();
+        let mut v1 = v2[..v2.len() - 8].to_vec();
+        assert_eq!(v1.remove(addr_end), 1);
+        v1[7] = 1;
+        let total = (v1.len() + 8) as u32;
+        v1[8..12].copy_from_slice(&total.to_be_bytes());
+        let sum = fnv(&v1);
+        v1.extend_from_slice(&sum.to_be_bytes());
+        assert_eq!(AgentMetadata::decode(&v1).expect("v1 decodes"), one);
+        assert_eq!(sample().regions[1].rkey_on(1), 0x201);
+        assert_eq!(sample().regions[1].rkey_on(0), 0x101);
     }
 }

@@ -23,7 +23,7 @@ use crate::runtime::{
     LocalDescList, Message, Op, Region, RemoteDesc, RemoteDescList, RuntimeError, TransferError,
     TransferOptions, TransferStats, DEFAULT_IO_MEMORY,
 };
-use metadata::{AgentMetadata, MemKind, MetadataError, RegionInfo};
+use metadata::{AgentMetadata, MemKind, MetadataError, RegionInfo, MAX_RAILS};
 
 /// Errors of the agent.
 #[derive(Debug, thiserror::Error)]
@@ -83,6 +83,47 @@ pub enum AgentError {
     /// A FILE registration failed.
     #[error(transparent)]
     File(#[from] FileError),
+}
+
+/// Transfers of at least this many bytes are striped over the rails both agents have.
+pub const STRIPE_MIN: u64 = 4 << 20;
+/// Slice size of a striped transfer.
+pub const STRIPE_SLICE: u64 = 1 << 20;
+
+fn remap_rkeys(
+    r: &RemoteDescList,
+    rkeys: &HashMap<u32, RegionInfo>,
+    rail: usize,
+) -> RemoteDescList {
+    r.0.iter()
+        .map(|d| RemoteDesc {
+            rkey: rkeys.get(&d.rkey).map_or(0, |i| i.rkey_on(rail)),
+            ..*d
+        })
+        .collect()
+}
+
+/// Polls every future to completion.
+async fn join_all<F: std::future::Future + Unpin>(mut futs: Vec<F>) -> Vec<F::Output> {
+    let mut out: Vec<Option<F::Output>> = futs.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, o) in futs.iter_mut().zip(out.iter_mut()) {
+            if o.is_none() {
+                match std::pin::Pin::new(f).poll(cx) {
+                    std::task::Poll::Ready(v) => *o = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter().flatten().collect()
 }
 
 /// A notification: the sending agent's name and the message.
@@ -189,6 +230,10 @@ pub struct AgentConfig {
     /// glommio I/O memory of the engine's core (locked; the FILE tier stages its I/O there and
     /// falls back to the heap when it is full).
     pub io_memory: usize,
+    /// RDMA devices to stripe large transfers over (multi-rail), one engine each on CPUs
+    /// `cpu`, `cpu + 1`, ...; empty or one entry: a single rail on `engine.device`. Every DRAM
+    /// registration is registered on each rail. Default: `RIXL_RDMA_RAILS` (comma-separated).
+    pub rails: Vec<String>,
 }
 
 impl Default for AgentConfig {
@@ -197,6 +242,14 @@ impl Default for AgentConfig {
             engine: EngineConfig::from_env(),
             cpu: 0,
             io_memory: DEFAULT_IO_MEMORY,
+            rails: std::env::var("RIXL_RDMA_RAILS")
+                .map(|v| {
+                    v.split(',')
+                        .filter(|s| !s.is_empty())
+                        .map(String::from)
+                        .collect()
+                })
+                .unwrap_or_default(),
         }
     }
 }
@@ -214,6 +267,8 @@ pub struct RemoteRef {
 
 struct Reg {
     region: Region,
+    /// The same memory registered on rails 1.. (multi-rail agents).
+    rails: Vec<Region>,
     visibility: Visibility,
 }
 
@@ -222,6 +277,21 @@ struct PeerState {
     metadata: Option<AgentMetadata>,
     regions: HashMap<u64, RegionInfo>,
     conn: Option<ConnId>,
+    /// Connections on rails 1.. (`rail_conns[i - 1]` for rail `i`).
+    rail_conns: Vec<Option<ConnId>>,
+}
+
+impl PeerState {
+    /// Every connection of the peer, with its rail.
+    fn take_conns(&mut self) -> Vec<(usize, ConnId)> {
+        let mut v: Vec<(usize, ConnId)> = self.conn.take().map(|c| (0, c)).into_iter().collect();
+        for (i, c) in self.rail_conns.iter_mut().enumerate() {
+            if let Some(c) = c.take() {
+                v.push((i + 1, c));
+            }
+        }
+        v
+    }
 }
 
 pub(crate) struct Inner {
@@ -229,6 +299,9 @@ pub(crate) struct Inner {
     generation: u64,
     engine: EngineHandle,
     pool: Mutex<Option<EnginePool>>,
+    /// Engines of rails 1.. (one per extra NIC) and their pools.
+    rail_engines: Vec<EngineHandle>,
+    rail_pools: Mutex<Vec<EnginePool>>,
     regs: Mutex<BTreeMap<u64, Reg>>,
     next_id: AtomicU64,
     peers: Mutex<HashMap<String, PeerState>>,
@@ -358,8 +431,22 @@ impl Agent {
     /// # Errors
     /// [`AgentError::Runtime`] if the engine cannot start (no device, memlock, ...).
     pub fn new(name: &str, cfg: AgentConfig) -> Result<Agent, AgentError> {
-        let pool = EnginePool::start(&cfg.engine, &[cfg.cpu], cfg.io_memory)?;
+        let ncpu = crate::runtime::available_cpus().len().max(1);
+        let mut first = cfg.engine.clone();
+        if cfg.rails.len() > 1 {
+            first.device = Some(cfg.rails[0].clone());
+        }
+        let pool = EnginePool::start(&first, &[cfg.cpu], cfg.io_memory)?;
         let engine = pool.handles()[0].clone();
+        let mut rail_pools = Vec::new();
+        let mut rail_engines = Vec::new();
+        for (i, dev) in cfg.rails.iter().enumerate().skip(1).take(MAX_RAILS - 1) {
+            let mut c = cfg.engine.clone();
+            c.device = Some(dev.clone());
+            let p = EnginePool::start(&c, &[(cfg.cpu + i) % ncpu], cfg.io_memory)?;
+            rail_engines.push(p.handles()[0].clone());
+            rail_pools.push(p);
+        }
         let (notif_tx, notif_rx) = mpsc::unbounded();
         let generation = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -371,6 +458,8 @@ impl Agent {
                 generation,
                 engine,
                 pool: Mutex::new(Some(pool)),
+                rail_engines,
+                rail_pools: Mutex::new(rail_pools),
                 regs: Mutex::new(BTreeMap::new()),
                 next_id: AtomicU64::new(1),
                 peers: Mutex::new(HashMap::new()),
@@ -478,15 +567,21 @@ impl Agent {
         visibility: Visibility,
     ) -> Result<Registration, AgentError> {
         let region = self.inner.engine.register_gpu(ordinal, len).await?;
-        Ok(self.add_registration(region, visibility))
+        Ok(self.add_registration(region, visibility, Vec::new()))
     }
 
-    fn add_registration(&self, region: Region, visibility: Visibility) -> Registration {
+    fn add_registration(
+        &self,
+        region: Region,
+        visibility: Visibility,
+        rails: Vec<Region>,
+    ) -> Registration {
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
         lock(&self.inner.regs).insert(
             id,
             Reg {
                 region: region.clone(),
+                rails,
                 visibility,
             },
         );
@@ -508,8 +603,20 @@ impl Agent {
         len: usize,
         visibility: Visibility,
     ) -> Result<Registration, AgentError> {
-        let region = self.inner.engine.register(len).await?;
-        Ok(self.add_registration(region, visibility))
+        if self.inner.rail_engines.is_empty() {
+            let region = self.inner.engine.register(len).await?;
+            return Ok(self.add_registration(region, visibility, Vec::new()));
+        }
+        // Multi-rail: one buffer, registered on every rail's NIC.
+        let mem = Arc::new(
+            crate::verbs::HostBuffer::new(len).map_err(|e| AgentError::Runtime(e.into()))?,
+        );
+        let region = self.inner.engine.register_shared(Arc::clone(&mem)).await?;
+        let mut rails = Vec::with_capacity(self.inner.rail_engines.len());
+        for e in &self.inner.rail_engines {
+            rails.push(e.register_shared(Arc::clone(&mem)).await?);
+        }
+        Ok(self.add_registration(region, visibility, rails))
     }
 
     /// This agent's metadata as `reader` may see it: regions scoped to other agents are left out,
@@ -539,13 +646,13 @@ impl Agent {
             p.regions = md.regions.iter().map(|r| (r.id, *r)).collect();
             p.metadata = Some(md);
             if rejoined {
-                p.conn.take()
+                p.take_conns()
             } else {
-                None
+                Vec::new()
             }
         };
-        if let Some(c) = stale {
-            let e = self.inner.engine.clone();
+        for (rail, c) in stale {
+            let e = self.inner.rail_engine(rail).clone();
             futures_lite::future::block_on(e.close_connection(c));
         }
         tracing::debug!(agent = %self.inner.name, peer = %name, "loaded remote metadata");
@@ -554,9 +661,12 @@ impl Agent {
 
     /// Forgets a peer and closes its connection.
     pub async fn invalidate_remote(&self, peer: &str) {
-        let conn = lock(&self.inner.peers).remove(peer).and_then(|p| p.conn);
-        if let Some(c) = conn {
-            self.inner.engine.close_connection(c).await;
+        let conns = lock(&self.inner.peers)
+            .remove(peer)
+            .map(|mut p| p.take_conns())
+            .unwrap_or_default();
+        for (rail, c) in conns {
+            self.inner.rail_engine(rail).close_connection(c).await;
         }
     }
 
@@ -593,6 +703,22 @@ impl Agent {
         ttl: std::time::Duration,
     ) -> Result<(), AgentError> {
         etcd::join(&self.inner, self.clone(), endpoint, namespace, ttl)
+    }
+
+    /// Engine counters of each rail (rail 0 first).
+    pub async fn rail_counters(&self) -> Vec<crate::runtime::EngineCounters> {
+        let mut v = Vec::new();
+        for rail in 0..=self.inner.rail_engines.len() {
+            if let Ok((c, _)) = self.inner.rail_engine(rail).counters().await {
+                v.push(c);
+            }
+        }
+        v
+    }
+
+    /// Number of rails (NICs) this agent stripes over.
+    pub fn rails(&self) -> usize {
+        1 + self.inner.rail_engines.len()
     }
 
     /// Names of the peers whose metadata is loaded.
@@ -662,15 +788,71 @@ impl Agent {
         notification: Option<&[u8]>,
     ) -> Result<TransferStats, AgentError> {
         let conn = sidechannel::ensure_connection(&self.inner, peer).await?;
-        let st = self
-            .inner
-            .engine
-            .transfer(conn, op, local, remote, TransferOptions::default())
-            .await?;
+        let rails = self.inner.shared_rails(peer);
+        let st = if rails > 1 && local.total_len() >= STRIPE_MIN {
+            self.striped(peer, op, &local, &remote, rails).await?
+        } else {
+            self.inner
+                .engine
+                .transfer(conn, op, local, remote, TransferOptions::default())
+                .await?
+        };
         if let Some(msg) = notification {
             self.notify_on(conn, msg).await?;
         }
         Ok(st)
+    }
+
+    /// Stripes a transfer over `rails` rails: slices of [`STRIPE_SLICE`] bytes dealt
+    /// round-robin, each rail's part on its own engine and connection, all in flight at once.
+    async fn striped(
+        &self,
+        peer: &str,
+        op: Op,
+        local: &LocalDescList,
+        remote: &RemoteDescList,
+        rails: usize,
+    ) -> Result<TransferStats, AgentError> {
+        let parts = crate::runtime::desc::split_stream(local, remote, rails, STRIPE_SLICE);
+        let rkeys = self.inner.peer_rkeys(peer)?;
+        let mut futs = Vec::with_capacity(rails);
+        for (rail, (l, r)) in parts.into_iter().enumerate() {
+            if l.is_empty() {
+                continue;
+            }
+            let (l, r) = if rail == 0 {
+                (l, r)
+            } else {
+                (self.inner.on_rail(&l, rail)?, remap_rkeys(&r, &rkeys, rail))
+            };
+            let conn = sidechannel::ensure_rail(&self.inner, peer, rail).await?;
+            let engine = self.inner.rail_engine(rail).clone();
+            futs.push(Box::pin(async move {
+                engine
+                    .transfer(conn, op, l, r, TransferOptions::default())
+                    .await
+            }));
+        }
+        tracing::debug!(agent = %self.inner.name, %peer, rails = futs.len(), bytes = local.total_len(), "striped transfer");
+        let mut total = TransferStats::default();
+        let mut first_err = None;
+        for r in join_all(futs).await {
+            match r {
+                Ok(st) => {
+                    total.bytes += st.bytes;
+                    total.descriptors += st.descriptors;
+                    total.work_requests += st.work_requests;
+                    total.doorbells += st.doorbells;
+                }
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        match first_err {
+            Some(e) => Err(e.into()),
+            None => Ok(total),
+        }
     }
 
     /// Resolves and checks `remote` against `peer`'s metadata once, for index-based requests.
@@ -741,6 +923,9 @@ impl Agent {
         if let Some(p) = lock(&self.inner.pool).take() {
             p.shutdown();
         }
+        for p in lock(&self.inner.rail_pools).drain(..) {
+            p.shutdown();
+        }
     }
 }
 
@@ -750,16 +935,23 @@ impl Inner {
             .iter()
             // Host memory of a core without a NIC is not reachable by peers.
             .filter(|(_, r)| r.region.registration().is_some() && r.visibility.allows(reader))
-            .map(|(&id, r)| RegionInfo {
-                id,
-                addr: r.region.addr(),
-                len: r.region.len(),
-                rkey: r.region.rkey(),
-                kind: if r.region.is_gpu() {
-                    MemKind::Vram
-                } else {
-                    MemKind::Dram
-                },
+            .map(|(&id, r)| {
+                let mut rail_rkeys = [0u32; MAX_RAILS - 1];
+                for (k, x) in rail_rkeys.iter_mut().zip(&r.rails) {
+                    *k = x.rkey();
+                }
+                RegionInfo {
+                    id,
+                    addr: r.region.addr(),
+                    len: r.region.len(),
+                    rkey: r.region.rkey(),
+                    kind: if r.region.is_gpu() {
+                        MemKind::Vram
+                    } else {
+                        MemKind::Dram
+                    },
+                    rail_rkeys,
+                }
             })
             .collect();
         AgentMetadata {
@@ -767,7 +959,53 @@ impl Inner {
             generation: self.generation,
             address: lock(&self.address).clone(),
             regions,
+            rails: (1 + self.rail_engines.len()) as u8,
         }
+    }
+
+    /// The engine of rail `rail` (0: the agent's engine).
+    fn rail_engine(&self, rail: usize) -> &EngineHandle {
+        if rail == 0 {
+            &self.engine
+        } else {
+            self.rail_engines.get(rail - 1).unwrap_or(&self.engine)
+        }
+    }
+
+    /// Rails both this agent and `peer` have.
+    fn shared_rails(&self, peer: &str) -> usize {
+        let theirs = lock(&self.peers)
+            .get(peer)
+            .and_then(|p| p.metadata.as_ref().map(|m| usize::from(m.rails.max(1))))
+            .unwrap_or(1);
+        (1 + self.rail_engines.len()).min(theirs)
+    }
+
+    /// The peer's regions' remote keys on every rail, keyed by the rail-0 key.
+    fn peer_rkeys(&self, peer: &str) -> Result<HashMap<u32, RegionInfo>, AgentError> {
+        let peers = lock(&self.peers);
+        let p = peers
+            .get(peer)
+            .ok_or_else(|| AgentError::UnknownPeer(peer.to_string()))?;
+        Ok(p.regions.values().map(|r| (r.rkey, *r)).collect())
+    }
+
+    /// `list` (built on rail-0 regions) with each region replaced by its registration on `rail`.
+    fn on_rail(&self, list: &LocalDescList, rail: usize) -> Result<LocalDescList, AgentError> {
+        let regs = lock(&self.regs);
+        let mut out = LocalDescList::with_capacity(list.len());
+        for d in list.descs() {
+            let r0 = &list.regions()[d.region as usize];
+            let on = regs
+                .values()
+                .find(|g| g.region.same(r0))
+                .and_then(|g| g.rails.get(rail - 1))
+                .ok_or(AgentError::Transfer(TransferError::InvalidDescriptor(
+                    crate::runtime::InvalidDescriptor::ForeignRegion { index: 0 },
+                )))?;
+            out.push(on, d.offset, d.len);
+        }
+        Ok(out)
     }
 
     fn peer_generation(&self, peer: &str) -> Result<u64, AgentError> {

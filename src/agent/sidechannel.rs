@@ -94,7 +94,15 @@ fn serve(inner: &Arc<Inner>, stream: TcpStream) -> Result<(), AgentError> {
     let f: Vec<&str> = line.split(' ').collect();
     let reply = match f.as_slice() {
         ["MD", requester] => hex(&inner.metadata_for(requester).encode()?),
-        ["CONNECT", requester, ep] => match accept_connection(inner, requester, ep) {
+        ["CONNECT", requester, ep] => match accept_connection(inner, requester, ep, 0) {
+            Ok(mine) => hex(&mine.to_bytes()),
+            Err(e) => format!("ERR {e}"),
+        },
+        ["CONNECT", requester, ep, rail] => match rail
+            .parse::<usize>()
+            .map_err(|_| AgentError::SideChannel("bad rail".into()))
+            .and_then(|rail| accept_connection(inner, requester, ep, rail))
+        {
             Ok(mine) => hex(&mine.to_bytes()),
             Err(e) => format!("ERR {e}"),
         },
@@ -109,20 +117,83 @@ fn accept_connection(
     inner: &Arc<Inner>,
     requester: &str,
     ep: &str,
+    rail: usize,
 ) -> Result<Endpoint, AgentError> {
-    let theirs = Endpoint::from_bytes(&unhex(ep)?).map_err(sc)?;
-    let (conn, mine) = block_on(inner.engine.prepare_connection())?;
-    block_on(inner.engine.complete_connection(conn, theirs))?;
-    let old = lock(&inner.peers)
-        .entry(requester.to_string())
-        .or_default()
-        .conn
-        .replace(conn);
-    if let Some(old) = old {
-        block_on(inner.engine.close_connection(old));
+    if rail > inner.rail_engines.len() {
+        return Err(AgentError::SideChannel(format!("no rail {rail} here")));
     }
-    inner.spawn_receiver(requester.to_string(), conn);
+    let engine = inner.rail_engine(rail).clone();
+    let theirs = Endpoint::from_bytes(&unhex(ep)?).map_err(sc)?;
+    let (conn, mine) = block_on(engine.prepare_connection())?;
+    block_on(engine.complete_connection(conn, theirs))?;
+    let old = {
+        let mut peers = lock(&inner.peers);
+        let p = peers.entry(requester.to_string()).or_default();
+        if rail == 0 {
+            p.conn.replace(conn)
+        } else {
+            if p.rail_conns.len() < rail {
+                p.rail_conns.resize(rail, None);
+            }
+            p.rail_conns[rail - 1].replace(conn)
+        }
+    };
+    if let Some(old) = old {
+        block_on(engine.close_connection(old));
+    }
+    if rail == 0 {
+        inner.spawn_receiver(requester.to_string(), conn);
+    }
     Ok(mine)
+}
+
+/// The connection to `peer` on `rail` (rail 0: [`ensure_connection`]), made on first use.
+pub(super) async fn ensure_rail(
+    inner: &Arc<Inner>,
+    peer: &str,
+    rail: usize,
+) -> Result<ConnId, AgentError> {
+    if rail == 0 {
+        return ensure_connection(inner, peer).await;
+    }
+    let addr = {
+        let peers = lock(&inner.peers);
+        let p = peers
+            .get(peer)
+            .ok_or_else(|| AgentError::UnknownPeer(peer.to_string()))?;
+        if let Some(Some(c)) = p.rail_conns.get(rail - 1) {
+            return Ok(*c);
+        }
+        p.metadata
+            .as_ref()
+            .map(|m| m.address.clone())
+            .filter(|a| !a.is_empty())
+            .ok_or_else(|| {
+                AgentError::SideChannel(format!("peer {peer} has no side-channel address"))
+            })?
+    };
+    let engine = inner.rail_engine(rail).clone();
+    let (conn, mine) = engine.prepare_connection().await?;
+    let s = connect(&addr)?;
+    let mut w = s.try_clone().map_err(sc)?;
+    writeln!(w, "CONNECT {} {} {rail}", inner.name, hex(&mine.to_bytes())).map_err(sc)?;
+    let line = read_line(&mut BufReader::new(s))?;
+    if let Some(e) = line.strip_prefix("ERR ") {
+        engine.close_connection(conn).await;
+        return Err(AgentError::SideChannel(format!(
+            "{peer} refused rail {rail}: {e}"
+        )));
+    }
+    let theirs = Endpoint::from_bytes(&unhex(&line)?).map_err(sc)?;
+    engine.complete_connection(conn, theirs).await?;
+    let mut peers = lock(&inner.peers);
+    let p = peers.entry(peer.to_string()).or_default();
+    if p.rail_conns.len() < rail {
+        p.rail_conns.resize(rail, None);
+    }
+    p.rail_conns[rail - 1] = Some(conn);
+    tracing::debug!(agent = %inner.name, %peer, rail, "rail connected lazily");
+    Ok(conn)
 }
 
 pub(super) fn fetch_metadata(me: &str, addr: &str) -> Result<Vec<u8>, AgentError> {

@@ -272,6 +272,67 @@ unsafe impl<T: OwnedRegistration + ?Sized> OwnedRegistration for &T {
     }
 }
 
+/// Host memory shared by several registrations (one per NIC/protection domain: multi-rail).
+/// Each registration deregisters before it drops its handle on the memory, and the memory is
+/// freed with the last handle.
+pub struct SharedRegistration {
+    // Deregistered explicitly in `Drop`, before `mem` (a later field) is released.
+    mr: ManuallyDrop<MemoryRegion>,
+    mem: std::sync::Arc<HostBuffer>,
+}
+
+impl fmt::Debug for SharedRegistration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedRegistration")
+            .field("mr", &self.mr)
+            .finish()
+    }
+}
+
+impl SharedRegistration {
+    /// Registers `mem` with `pd`.
+    ///
+    /// # Errors
+    /// [`Error::RegisterMemory`] if registration fails.
+    pub fn register(
+        pd: &ProtectionDomain,
+        mem: std::sync::Arc<HostBuffer>,
+        access: AccessFlags,
+    ) -> Result<Self> {
+        // SAFETY: `mem` is kept alive by this value's `Arc` at least until the region is
+        // deregistered (see `Drop`).
+        let mr = unsafe { MemoryRegion::register_raw(pd, mem.as_ptr(), mem.len(), access) }?;
+        Ok(SharedRegistration {
+            mr: ManuallyDrop::new(mr),
+            mem,
+        })
+    }
+
+    /// The registered memory.
+    pub fn memory(&self) -> &HostBuffer {
+        &self.mem
+    }
+
+    /// The registration.
+    pub fn region(&self) -> &MemoryRegion {
+        &self.mr
+    }
+}
+
+// SAFETY: `Drop` deregisters before the `Arc` on the memory is released.
+unsafe impl OwnedRegistration for SharedRegistration {
+    fn memory_region(&self) -> &MemoryRegion {
+        &self.mr
+    }
+}
+
+impl Drop for SharedRegistration {
+    fn drop(&mut self) {
+        // SAFETY: dropped exactly once, here; `mem` is released after this returns.
+        unsafe { ManuallyDrop::drop(&mut self.mr) };
+    }
+}
+
 /// Page-aligned, zero-initialised heap memory registered with the NIC, owned by this value: a
 /// [`HostBuffer`] and its [`MemoryRegion`].
 ///
