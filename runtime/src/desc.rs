@@ -41,40 +41,26 @@ impl fmt::Debug for Region {
 }
 
 impl Region {
-    pub(crate) fn new(buf: RegisteredBuffer, engine: u64) -> Self {
+    fn with(mem: Memory, engine: u64) -> Self {
         Region {
-            inner: Arc::new(RegionInner {
-                mem: Memory::Nic(buf),
-                engine,
-            }),
+            inner: Arc::new(RegionInner { mem, engine }),
         }
+    }
+
+    pub(crate) fn new(buf: RegisteredBuffer, engine: u64) -> Self {
+        Self::with(Memory::Nic(buf), engine)
     }
 
     pub(crate) fn gpu(reg: GpuRegistration, engine: u64) -> Self {
-        Region {
-            inner: Arc::new(RegionInner {
-                mem: Memory::Gpu(reg),
-                engine,
-            }),
-        }
+        Self::with(Memory::Gpu(reg), engine)
     }
 
     pub(crate) fn shared(reg: SharedRegistration, engine: u64) -> Self {
-        Region {
-            inner: Arc::new(RegionInner {
-                mem: Memory::Shared(reg),
-                engine,
-            }),
-        }
+        Self::with(Memory::Shared(reg), engine)
     }
 
     pub(crate) fn host(buf: HostBuffer, engine: u64) -> Self {
-        Region {
-            inner: Arc::new(RegionInner {
-                mem: Memory::Host(buf),
-                engine,
-            }),
-        }
+        Self::with(Memory::Host(buf), engine)
     }
 
     /// `len` bytes of zeroed, page-aligned host memory registered with no NIC: for local tiers

@@ -360,41 +360,16 @@ fn local_pieces(
 }
 
 fn validate_local(local: &LocalDescList) -> Result<Vec<u64>, InvalidDescriptor> {
-    if local.is_empty() {
-        return Err(InvalidDescriptor::Empty { side: "local" });
-    }
-    let mut starts = Vec::with_capacity(local.len());
-    let mut total = 0u64;
-    for (index, d) in local.descs().iter().enumerate() {
-        if d.len == 0 {
-            return Err(InvalidDescriptor::ZeroLength {
-                side: "local",
-                index,
-            });
-        }
-        let region = local
-            .regions()
-            .get(d.region as usize)
-            .ok_or(InvalidDescriptor::ForeignRegion { index })?;
-        let end = d
-            .offset
-            .checked_add(d.len)
-            .ok_or(InvalidDescriptor::Overflow {
-                side: "local",
-                index,
-            })?;
-        if end > region.len() {
-            return Err(InvalidDescriptor::OutOfRange {
-                index,
-                offset: d.offset,
-                len: d.len,
-                region_len: region.len(),
-            });
-        }
-        starts.push(total);
-        total += d.len;
-    }
-    Ok(starts)
+    crate::plan::check_local(|i| local.regions().get(i).map(Region::len), local.descs())?;
+    Ok(local
+        .descs()
+        .iter()
+        .scan(0u64, |acc, d| {
+            let start = *acc;
+            *acc += d.len;
+            Some(start)
+        })
+        .collect())
 }
 
 fn validate_file(descs: &[FileDesc], size: u64) -> Result<u64, TransferError> {

@@ -7,6 +7,7 @@ pub mod error;
 pub mod file;
 pub mod gpu;
 pub mod inflight;
+pub mod join;
 pub mod plan;
 
 pub use desc::{LocalDesc, LocalDescList, Op, Region, RemoteDesc, RemoteDescList};
@@ -23,3 +24,4 @@ pub mod handle;
 pub mod preflight;
 
 pub use handle::{available_cpus, EngineHandle, EnginePool, DEFAULT_IO_MEMORY};
+pub use join::join_all;

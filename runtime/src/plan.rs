@@ -64,6 +64,53 @@ impl Plan {
     }
 }
 
+/// Checks a local list (non-empty, no zero lengths, every range inside its region, whose length
+/// `region_len(index)` gives); returns the total length.
+///
+/// # Errors
+/// The first problem found, as an [`InvalidDescriptor`].
+pub fn check_local(
+    region_len: impl Fn(usize) -> Option<u64>,
+    local: &[LocalDesc],
+) -> Result<u64, InvalidDescriptor> {
+    if local.is_empty() {
+        return Err(InvalidDescriptor::Empty { side: "local" });
+    }
+    let mut total = 0u64;
+    for (index, d) in local.iter().enumerate() {
+        if d.len == 0 {
+            return Err(InvalidDescriptor::ZeroLength {
+                side: "local",
+                index,
+            });
+        }
+        let region_len =
+            region_len(d.region as usize).ok_or(InvalidDescriptor::ForeignRegion { index })?;
+        let end = d
+            .offset
+            .checked_add(d.len)
+            .ok_or(InvalidDescriptor::Overflow {
+                side: "local",
+                index,
+            })?;
+        if end > region_len {
+            return Err(InvalidDescriptor::OutOfRange {
+                index,
+                offset: d.offset,
+                len: d.len,
+                region_len,
+            });
+        }
+        total = total
+            .checked_add(d.len)
+            .ok_or(InvalidDescriptor::Overflow {
+                side: "local",
+                index,
+            })?;
+    }
+    Ok(total)
+}
+
 /// Checks both lists; returns the common total length.
 ///
 /// # Errors
@@ -73,44 +120,9 @@ pub fn validate(
     local: &[LocalDesc],
     remote: &[RemoteDesc],
 ) -> Result<u64, InvalidDescriptor> {
-    if local.is_empty() {
-        return Err(InvalidDescriptor::Empty { side: "local" });
-    }
+    let local_total = check_local(|i| regions.get(i).map(|r| r.len), local)?;
     if remote.is_empty() {
         return Err(InvalidDescriptor::Empty { side: "remote" });
-    }
-    let mut local_total = 0u64;
-    for (index, d) in local.iter().enumerate() {
-        if d.len == 0 {
-            return Err(InvalidDescriptor::ZeroLength {
-                side: "local",
-                index,
-            });
-        }
-        let region = regions
-            .get(d.region as usize)
-            .ok_or(InvalidDescriptor::ForeignRegion { index })?;
-        let end = d
-            .offset
-            .checked_add(d.len)
-            .ok_or(InvalidDescriptor::Overflow {
-                side: "local",
-                index,
-            })?;
-        if end > region.len {
-            return Err(InvalidDescriptor::OutOfRange {
-                index,
-                offset: d.offset,
-                len: d.len,
-                region_len: region.len,
-            });
-        }
-        local_total = local_total
-            .checked_add(d.len)
-            .ok_or(InvalidDescriptor::Overflow {
-                side: "local",
-                index,
-            })?;
     }
     let mut remote_total = 0u64;
     for (index, d) in remote.iter().enumerate() {

@@ -206,26 +206,23 @@ fn scattered_write_and_read_of_1_100_10k_100k_descriptors() {
     pool.shutdown();
 }
 
-/// Polls every future to completion (a minimal join_all).
-fn join_all<F: std::future::Future + Unpin>(mut futs: Vec<F>) -> Vec<F::Output> {
-    let mut out: Vec<Option<F::Output>> = futs.iter().map(|_| None).collect();
-    block_on(std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (f, o) in futs.iter_mut().zip(out.iter_mut()) {
-            if o.is_none() {
-                match std::pin::Pin::new(f).poll(cx) {
-                    std::task::Poll::Ready(v) => *o = Some(v),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    }));
-    out.into_iter().map(|o| o.expect("ready")).collect()
+/// `n` concurrent single-descriptor WRITEs (block `i`: local slot `i` to remote slot `i`).
+fn one_block_writes(
+    h: &EngineHandle,
+    conn: ConnId,
+    region: &Region,
+    peer: &Peer,
+    n: u64,
+) -> Vec<Result<rixl_runtime::TransferStats, TransferError>> {
+    let futs: Vec<_> = (0..n)
+        .map(|i| {
+            let mut l = LocalDescList::new();
+            l.push(region, local_slot(i) * SLOT, BLOCK);
+            let r = RemoteDescList(vec![peer.remote(remote_slot(i) * SLOT, BLOCK)]);
+            Box::pin(h.write(conn, l, r))
+        })
+        .collect();
+    block_on(rixl_runtime::join_all(futs))
 }
 
 #[test]
@@ -245,15 +242,7 @@ fn concurrent_small_transfers_share_doorbells_and_completions() {
     region.write_at(0, &data).expect("fill");
     let (before, _) = block_on(h.counters()).expect("counters");
     // One descriptor per future, all submitted at once, like a decode step's block writes.
-    let futs: Vec<_> = (0..n)
-        .map(|i| {
-            let mut l = LocalDescList::new();
-            l.push(&region, local_slot(i) * SLOT, BLOCK);
-            let r = RemoteDescList(vec![peer.remote(remote_slot(i) * SLOT, BLOCK)]);
-            Box::pin(h.write(conn, l, r))
-        })
-        .collect();
-    for r in join_all(futs) {
+    for r in one_block_writes(&h, conn, &region, &peer, n) {
         assert_eq!(r.expect("write").bytes, BLOCK);
     }
     let (after, inflight) = block_on(h.counters()).expect("counters");
@@ -279,15 +268,7 @@ fn concurrent_small_transfers_share_doorbells_and_completions() {
     };
     let region = block_on(h.register(REGION)).expect("register");
     region.write_at(0, &data).expect("fill");
-    let futs: Vec<_> = (0..200u64)
-        .map(|i| {
-            let mut l = LocalDescList::new();
-            l.push(&region, local_slot(i) * SLOT, BLOCK);
-            let r = RemoteDescList(vec![peer.remote(remote_slot(i) * SLOT, BLOCK)]);
-            Box::pin(h.write(conn, l, r))
-        })
-        .collect();
-    for r in join_all(futs) {
+    for r in one_block_writes(&h, conn, &region, &peer, 200) {
         r.expect("write");
     }
     let (c, _) = block_on(h.counters()).expect("counters");

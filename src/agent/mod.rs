@@ -103,29 +103,6 @@ fn remap_rkeys(
         .collect()
 }
 
-/// Polls every future to completion.
-async fn join_all<F: std::future::Future + Unpin>(mut futs: Vec<F>) -> Vec<F::Output> {
-    let mut out: Vec<Option<F::Output>> = futs.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (f, o) in futs.iter_mut().zip(out.iter_mut()) {
-            if o.is_none() {
-                match std::pin::Pin::new(f).poll(cx) {
-                    std::task::Poll::Ready(v) => *o = Some(v),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    })
-    .await;
-    out.into_iter().flatten().collect()
-}
-
 /// A notification: the sending agent's name and the message.
 pub type Notification = (String, Vec<u8>);
 
@@ -836,7 +813,7 @@ impl Agent {
         tracing::debug!(agent = %self.inner.name, %peer, rails = futs.len(), bytes = local.total_len(), "striped transfer");
         let mut total = TransferStats::default();
         let mut first_err = None;
-        for r in join_all(futs).await {
+        for r in crate::runtime::join_all(futs).await {
             match r {
                 Ok(st) => {
                     total.bytes += st.bytes;

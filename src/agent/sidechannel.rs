@@ -147,22 +147,45 @@ fn accept_connection(
     Ok(mine)
 }
 
-/// The connection to `peer` on `rail` (rail 0: [`ensure_connection`]), made on first use.
+pub(super) fn fetch_metadata(me: &str, addr: &str) -> Result<Vec<u8>, AgentError> {
+    let s = connect(addr)?;
+    let mut w = s.try_clone().map_err(sc)?;
+    writeln!(w, "MD {me}").map_err(sc)?;
+    let line = read_line(&mut BufReader::new(s))?;
+    if let Some(e) = line.strip_prefix("ERR ") {
+        return Err(AgentError::SideChannel(e.to_string()));
+    }
+    unhex(&line)
+}
+
+/// The connection to `peer` on rail 0 (see [`ensure_rail`]).
+pub(super) async fn ensure_connection(
+    inner: &Arc<Inner>,
+    peer: &str,
+) -> Result<ConnId, AgentError> {
+    ensure_rail(inner, peer, 0).await
+}
+
+/// The connection to `peer` on `rail`, made on first use through its side channel (the engine
+/// calls are awaited; only the short side-channel exchange is blocking I/O). Rail 0 also
+/// delivers the peer's notifications.
 pub(super) async fn ensure_rail(
     inner: &Arc<Inner>,
     peer: &str,
     rail: usize,
 ) -> Result<ConnId, AgentError> {
-    if rail == 0 {
-        return ensure_connection(inner, peer).await;
-    }
     let addr = {
         let peers = lock(&inner.peers);
         let p = peers
             .get(peer)
             .ok_or_else(|| AgentError::UnknownPeer(peer.to_string()))?;
-        if let Some(Some(c)) = p.rail_conns.get(rail - 1) {
-            return Ok(*c);
+        let existing = if rail == 0 {
+            p.conn
+        } else {
+            p.rail_conns.get(rail - 1).copied().flatten()
+        };
+        if let Some(c) = existing {
+            return Ok(c);
         }
         p.metadata
             .as_ref()
@@ -176,74 +199,35 @@ pub(super) async fn ensure_rail(
     let (conn, mine) = engine.prepare_connection().await?;
     let s = connect(&addr)?;
     let mut w = s.try_clone().map_err(sc)?;
-    writeln!(w, "CONNECT {} {} {rail}", inner.name, hex(&mine.to_bytes())).map_err(sc)?;
+    if rail == 0 {
+        writeln!(w, "CONNECT {} {}", inner.name, hex(&mine.to_bytes())).map_err(sc)?;
+    } else {
+        writeln!(w, "CONNECT {} {} {rail}", inner.name, hex(&mine.to_bytes())).map_err(sc)?;
+    }
     let line = read_line(&mut BufReader::new(s))?;
     if let Some(e) = line.strip_prefix("ERR ") {
         engine.close_connection(conn).await;
         return Err(AgentError::SideChannel(format!(
-            "{peer} refused rail {rail}: {e}"
+            "{peer} refused the connection (rail {rail}): {e}"
         )));
     }
     let theirs = Endpoint::from_bytes(&unhex(&line)?).map_err(sc)?;
     engine.complete_connection(conn, theirs).await?;
-    let mut peers = lock(&inner.peers);
-    let p = peers.entry(peer.to_string()).or_default();
-    if p.rail_conns.len() < rail {
-        p.rail_conns.resize(rail, None);
-    }
-    p.rail_conns[rail - 1] = Some(conn);
-    tracing::debug!(agent = %inner.name, %peer, rail, "rail connected lazily");
-    Ok(conn)
-}
-
-pub(super) fn fetch_metadata(me: &str, addr: &str) -> Result<Vec<u8>, AgentError> {
-    let s = connect(addr)?;
-    let mut w = s.try_clone().map_err(sc)?;
-    writeln!(w, "MD {me}").map_err(sc)?;
-    let line = read_line(&mut BufReader::new(s))?;
-    if let Some(e) = line.strip_prefix("ERR ") {
-        return Err(AgentError::SideChannel(e.to_string()));
-    }
-    unhex(&line)
-}
-
-/// The connection to `peer`, made on first use through its side channel (the engine calls are
-/// awaited; only the short side-channel exchange is blocking I/O).
-pub(super) async fn ensure_connection(
-    inner: &Arc<Inner>,
-    peer: &str,
-) -> Result<ConnId, AgentError> {
-    let addr = {
-        let peers = lock(&inner.peers);
-        let p = peers
-            .get(peer)
-            .ok_or_else(|| AgentError::UnknownPeer(peer.to_string()))?;
-        if let Some(c) = p.conn {
-            return Ok(c);
+    {
+        let mut peers = lock(&inner.peers);
+        let p = peers.entry(peer.to_string()).or_default();
+        if rail == 0 {
+            p.conn = Some(conn);
+        } else {
+            if p.rail_conns.len() < rail {
+                p.rail_conns.resize(rail, None);
+            }
+            p.rail_conns[rail - 1] = Some(conn);
         }
-        p.metadata
-            .as_ref()
-            .map(|m| m.address.clone())
-            .filter(|a| !a.is_empty())
-            .ok_or_else(|| {
-                AgentError::SideChannel(format!("peer {peer} has no side-channel address"))
-            })?
-    };
-    let (conn, mine) = block_on(inner.engine.prepare_connection())?;
-    let s = connect(&addr)?;
-    let mut w = s.try_clone().map_err(sc)?;
-    writeln!(w, "CONNECT {} {}", inner.name, hex(&mine.to_bytes())).map_err(sc)?;
-    let line = read_line(&mut BufReader::new(s))?;
-    if let Some(e) = line.strip_prefix("ERR ") {
-        block_on(inner.engine.close_connection(conn));
-        return Err(AgentError::SideChannel(format!(
-            "{peer} refused the connection: {e}"
-        )));
     }
-    let theirs = Endpoint::from_bytes(&unhex(&line)?).map_err(sc)?;
-    block_on(inner.engine.complete_connection(conn, theirs))?;
-    lock(&inner.peers).entry(peer.to_string()).or_default().conn = Some(conn);
-    inner.spawn_receiver(peer.to_string(), conn);
-    tracing::debug!(agent = %inner.name, %peer, "connected lazily");
+    if rail == 0 {
+        inner.spawn_receiver(peer.to_string(), conn);
+    }
+    tracing::debug!(agent = %inner.name, %peer, rail, "connected lazily");
     Ok(conn)
 }
