@@ -5,7 +5,9 @@
 //! 2. CUDA IPC between two processes on one GPU: the parent exports a buffer, a child process
 //!    opens the handle and copies it into its own buffer through rixl, bytes verified;
 //! 3. host<->device through pinned memory next to pageable memory;
-//! 4. GPUDirect RDMA registration (dma-buf or nvidia-peermem) when an RDMA device exists.
+//! 4. the agent API between two processes on one node: a peer agent's VRAM read with
+//!    `agent.read(...)`, which the topology routes over CUDA IPC (no NIC needed), bytes verified;
+//! 5. GPUDirect RDMA registration (dma-buf or nvidia-peermem) when an RDMA device exists.
 //!
 //! Without a CUDA driver it prints `SKIPPED gpu_check: ...` and exits 0.
 //!
@@ -93,10 +95,99 @@ fn child(args: &[String]) -> Result<(), BoxError> {
     Ok(())
 }
 
+fn agent_config() -> rixl::agent::AgentConfig {
+    let mut cfg = rixl::agent::AgentConfig::default();
+    cfg.engine.require_nic = false;
+    cfg
+}
+
+/// The peer agent: exports patterned VRAM and serves its metadata until stdin closes.
+fn agent_child(args: &[String]) -> Result<(), BoxError> {
+    let len = (num(args, "--mib", 256)? as usize) << 20;
+    let a = rixl::agent::Agent::new("gpu-peer", agent_config())?;
+    let reg = futures_lite::future::block_on(a.register_vram(
+        num(args, "--gpu", 0)? as i32,
+        len,
+        rixl::agent::Visibility::All,
+    ))?;
+    let host: Vec<u8> = (0..len).map(pattern).collect();
+    reg.region().write_at(0, &host)?;
+    let addr = a.listen("127.0.0.1:0")?;
+    println!("READY {addr} {}", reg.id());
+    let mut line = String::new();
+    let _ = std::io::stdin().read_line(&mut line);
+    a.shutdown();
+    Ok(())
+}
+
+fn agent_stage(len: usize, iters: usize, ordinal: i32) -> Result<(), BoxError> {
+    use std::io::{BufRead, Write};
+    let mut peer = std::process::Command::new(std::env::current_exe()?)
+        .args([
+            "--agent-child",
+            "--mib",
+            &(len >> 20).to_string(),
+            "--gpu",
+            &ordinal.to_string(),
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()?;
+    let mut first = String::new();
+    std::io::BufReader::new(peer.stdout.take().ok_or("child stdout")?).read_line(&mut first)?;
+    let f: Vec<&str> = first.split_whitespace().collect();
+    let (addr, region) = match f.as_slice() {
+        ["READY", addr, region] => (addr.to_string(), region.parse::<u64>()?),
+        _ => return Err(format!("peer agent did not start: {first:?}").into()),
+    };
+    let a = rixl::agent::Agent::new("gpu-check", agent_config())?;
+    let name = a.fetch_remote_metadata(&addr)?;
+    let mine = futures_lite::future::block_on(a.register_vram(
+        ordinal,
+        len,
+        rixl::agent::Visibility::All,
+    ))?;
+    let mut local = rixl::runtime::LocalDescList::new();
+    local.push(mine.region(), 0, len as u64);
+    let remote = [rixl::agent::RemoteRef {
+        region,
+        offset: 0,
+        len: len as u64,
+    }];
+    let t = Instant::now();
+    let mut st = None;
+    for _ in 0..iters {
+        st = Some(futures_lite::future::block_on(
+            a.read(&name, &local, &remote),
+        )?);
+    }
+    let secs = t.elapsed().as_secs_f64();
+    let mut back = vec![0u8; len];
+    mine.region().read_at(0, &mut back)?;
+    if let Some(i) = (0..len).find(|&i| back[i] != pattern(i)) {
+        return Err(format!("agent read: byte {i} differs").into());
+    }
+    println!(
+        "  agent.read of a peer process's VRAM (same node, routed to CUDA IPC: {} copies per read): {:.1} GB/s, {} MiB verified",
+        st.map_or(0, |s| s.work_requests),
+        gbs(len * iters, secs),
+        len >> 20
+    );
+    if let Some(mut stdin) = peer.stdin.take() {
+        let _ = writeln!(stdin, "done");
+    }
+    let _ = peer.wait();
+    a.shutdown();
+    Ok(())
+}
+
 fn main() -> Result<(), BoxError> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if arg(&args, "--child").is_some() {
         return child(&args);
+    }
+    if args.iter().any(|a| a == "--agent-child") {
+        return agent_child(&args);
     }
     let info = match rixl::gpudirect::probe() {
         Ok(i) => i,
@@ -176,7 +267,10 @@ fn main() -> Result<(), BoxError> {
         "  host->device: pinned {h2d_pinned:.1} GB/s, pageable {h2d_pageable:.1} GB/s; device->host: pinned {d2h_pinned:.1} GB/s, pageable {d2h_pageable:.1} GB/s; bytes verified"
     );
 
-    // 4. GPUDirect RDMA registration on the first RDMA device, if any.
+    // 4. The agent API between two processes, routed to CUDA IPC.
+    agent_stage(len, iters, ordinal)?;
+
+    // 5. GPUDirect RDMA registration on the first RDMA device, if any.
     match rixl::verbs::DeviceList::new().and_then(|l| l.find(None).map(|d| d.open())) {
         Ok(Ok(ctx)) => {
             let pd = rixl::verbs::ProtectionDomain::new(&ctx)?;

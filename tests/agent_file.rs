@@ -148,10 +148,9 @@ fn vram_registration_is_typed_without_a_gpu() {
     }
     let a = agent("vram");
     match block_on(a.register_vram(0, 1 << 20, Visibility::All)) {
-        Err(AgentError::Runtime(rixl::runtime::RuntimeError::NoNic)) => assert!(!a.has_nic()),
         Err(AgentError::Runtime(rixl::runtime::RuntimeError::Gpu(
             rixl::gpudirect::Error::NoCuda,
-        ))) => assert!(a.has_nic()),
+        ))) => {}
         other => panic!("{other:?}"),
     }
     a.shutdown();

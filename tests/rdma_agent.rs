@@ -141,6 +141,9 @@ fn decode_reads_scattered_kv_blocks_and_notifies_prefill() {
         address: String::new(),
         regions: vec![],
         rails: 1,
+        node: String::new(),
+        process: 0,
+        ipc: vec![],
     }
     .encode()
     .expect("encode");

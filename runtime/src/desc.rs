@@ -22,6 +22,8 @@ enum Memory {
     Host(HostBuffer),
     Gpu(GpuRegistration),
     Shared(SharedRegistration),
+    /// GPU memory not registered with a NIC (a core without one): CUDA IPC and copies only.
+    Device(rixl_gpudirect::DeviceMemory),
 }
 
 struct RegionInner {
@@ -59,6 +61,10 @@ impl Region {
         Self::with(Memory::Shared(reg), engine)
     }
 
+    pub(crate) fn device(mem: rixl_gpudirect::DeviceMemory, engine: u64) -> Self {
+        Self::with(Memory::Device(mem), engine)
+    }
+
     pub(crate) fn host(buf: HostBuffer, engine: u64) -> Self {
         Self::with(Memory::Host(buf), engine)
     }
@@ -80,7 +86,7 @@ impl Region {
             Memory::Nic(b) => Some(b.memory()),
             Memory::Host(b) => Some(b),
             Memory::Shared(r) => Some(r.memory()),
-            Memory::Gpu(_) => None,
+            Memory::Gpu(_) | Memory::Device(_) => None,
         }
     }
 
@@ -88,7 +94,16 @@ impl Region {
     pub fn nic_buffer(&self) -> Option<&RegisteredBuffer> {
         match &self.inner.mem {
             Memory::Nic(b) => Some(b),
-            Memory::Host(_) | Memory::Gpu(_) | Memory::Shared(_) => None,
+            Memory::Host(_) | Memory::Gpu(_) | Memory::Shared(_) | Memory::Device(_) => None,
+        }
+    }
+
+    /// The GPU memory, if this is GPU memory (registered with a NIC or not).
+    pub fn gpu_memory(&self) -> Option<&rixl_gpudirect::DeviceMemory> {
+        match &self.inner.mem {
+            Memory::Gpu(g) => Some(g.memory()),
+            Memory::Device(d) => Some(d),
+            _ => None,
         }
     }
 
@@ -106,7 +121,7 @@ impl Region {
             Memory::Nic(b) => Some(b),
             Memory::Gpu(g) => Some(g),
             Memory::Shared(r) => Some(r),
-            Memory::Host(_) => None,
+            Memory::Host(_) | Memory::Device(_) => None,
         }
     }
 
@@ -115,29 +130,29 @@ impl Region {
     pub(crate) fn nic_slice(&self) -> &[RegisteredBuffer] {
         match &self.inner.mem {
             Memory::Nic(b) => std::slice::from_ref(b),
-            Memory::Host(_) | Memory::Gpu(_) | Memory::Shared(_) => &[],
+            Memory::Host(_) | Memory::Gpu(_) | Memory::Shared(_) | Memory::Device(_) => &[],
         }
     }
 
     /// Start address (the iova peers use; the device address for GPU memory).
     pub fn addr(&self) -> u64 {
-        match &self.inner.mem {
-            Memory::Gpu(g) => g.addr(),
-            _ => self.host_memory().map_or(0, HostBuffer::addr),
+        match self.gpu_memory() {
+            Some(g) => g.addr(),
+            None => self.host_memory().map_or(0, HostBuffer::addr),
         }
     }
 
     /// Length in bytes.
     pub fn len(&self) -> u64 {
-        match &self.inner.mem {
-            Memory::Gpu(g) => g.len() as u64,
-            _ => self.host_memory().map_or(0, |h| h.len() as u64),
+        match self.gpu_memory() {
+            Some(g) => g.len() as u64,
+            None => self.host_memory().map_or(0, |h| h.len() as u64),
         }
     }
 
     /// Whether this is GPU memory.
     pub fn is_gpu(&self) -> bool {
-        matches!(self.inner.mem, Memory::Gpu(_))
+        matches!(self.inner.mem, Memory::Gpu(_) | Memory::Device(_))
     }
 
     /// Whether the region is empty (never).
@@ -171,9 +186,9 @@ impl Region {
     /// If the range is outside the region.
     pub fn write_at(&self, offset: u64, src: &[u8]) -> Result<(), rixl_verbs::Error> {
         let off = usize::try_from(offset).unwrap_or(usize::MAX);
-        match &self.inner.mem {
-            Memory::Gpu(g) => g.memory().write(off, src).map_err(gpu_err),
-            _ => self.host_memory().map_or(Ok(()), |h| h.write_at(off, src)),
+        match self.gpu_memory() {
+            Some(g) => g.write(off, src).map_err(gpu_err),
+            None => self.host_memory().map_or(Ok(()), |h| h.write_at(off, src)),
         }
     }
 
@@ -183,9 +198,9 @@ impl Region {
     /// If the range is outside the region.
     pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), rixl_verbs::Error> {
         let off = usize::try_from(offset).unwrap_or(usize::MAX);
-        match &self.inner.mem {
-            Memory::Gpu(g) => g.memory().read(off, dst).map_err(gpu_err),
-            _ => self.host_memory().map_or(Ok(()), |h| h.read_at(off, dst)),
+        match self.gpu_memory() {
+            Some(g) => g.read(off, dst).map_err(gpu_err),
+            None => self.host_memory().map_or(Ok(()), |h| h.read_at(off, dst)),
         }
     }
 
@@ -202,6 +217,21 @@ impl Region {
     /// Number of live handles (including those held by in-flight transfers).
     pub fn handle_count(&self) -> usize {
         Arc::strong_count(&self.inner)
+    }
+}
+
+/// A GPU region is device memory a CUDA copy may read or write (a host region has no device
+/// range: length 0, so every copy range check refuses it).
+impl rixl_nvlink::ipc::DeviceRange for Region {
+    fn device_addr(&self) -> u64 {
+        self.addr()
+    }
+    fn device_len(&self) -> usize {
+        if self.is_gpu() {
+            self.len() as usize
+        } else {
+            0
+        }
     }
 }
 

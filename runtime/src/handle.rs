@@ -162,7 +162,8 @@ impl EngineHandle {
             .unwrap_or(Err(RuntimeError::EngineGone))
     }
 
-    /// See [`Engine::register_gpu`]; [`RuntimeError::NoNic`] on a core without a NIC.
+    /// See [`Engine::register_gpu`]; on a core without a NIC, plain device memory (for CUDA IPC
+    /// and copies; RDMA refuses it).
     ///
     /// # Errors
     /// As [`Engine::register_gpu`], or [`RuntimeError::EngineGone`].
@@ -352,7 +353,18 @@ async fn serve(engine: Option<Engine>, id: u64, mut rx: mpsc::UnboundedReceiver<
                 Some(e) => spawn(async move {
                     let _ = r.send(e.register_gpu(ordinal, len).await);
                 }),
-                None => no_nic(r),
+                // No NIC: device memory for CUDA IPC and copies, not registered.
+                None => spawn(async move {
+                    let res = glommio::executor()
+                        .spawn_blocking(move || {
+                            let gpu = rixl_gpudirect::Gpu::open(ordinal)?;
+                            rixl_gpudirect::DeviceMemory::alloc(&gpu, len)
+                        })
+                        .await
+                        .map(|m| Region::device(m, id))
+                        .map_err(RuntimeError::from);
+                    let _ = r.send(res);
+                }),
             },
             Command::Prepare(r) => match e {
                 Some(e) => spawn(async move {

@@ -3,13 +3,16 @@
 //!
 //! ```text
 //! "RIXLMD" | version u16 | total length u32 | name (u16 len + utf8) | generation u64
-//!          | side-channel address (u16 len + utf8) | rails u8 | region count u32
+//!          | side-channel address (u16 len + utf8) | node (u16 len + utf8) | process u32
+//!          | rails u8 | region count u32
 //!          | regions: id u64, addr u64, len u64, rkey u32 per rail, kind u8
+//!          | IPC export count u32 | exports: region id u64, GPU ordinal u32, handle 64 bytes
 //!          | FNV-1a 64 of everything before
 //! ```
 //!
-//! Version 2 added the rails (one rkey per NIC the agent stripes over); version 1 blobs (one
-//! rkey, no rails byte) are still read.
+//! Version 2 added the node and process (so a peer on the same node can pick CUDA IPC), the
+//! rails (one rkey per NIC the agent stripes over) and the CUDA IPC exports of VRAM regions;
+//! version 1 blobs (one rkey, none of these) are still read.
 //!
 //! ```text
 //! ```
@@ -77,7 +80,26 @@ pub struct AgentMetadata {
     pub regions: Vec<RegionInfo>,
     /// NICs (rails) the agent's regions are registered on (1 without multi-rail).
     pub rails: u8,
+    /// The machine it runs on (boot id and host name; empty when unknown).
+    pub node: String,
+    /// Its process id.
+    pub process: u32,
+    /// CUDA IPC handles of its VRAM regions (for peers on the same node).
+    pub ipc: Vec<IpcExport>,
 }
+
+/// A VRAM region's CUDA IPC handle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IpcExport {
+    /// Region id.
+    pub region: u64,
+    /// GPU ordinal of the exporter.
+    pub gpu: u32,
+    /// The `cuIpcGetMemHandle` handle.
+    pub handle: [u8; 64],
+}
+
+const IPC_BYTES: usize = 8 + 4 + 64;
 
 /// Why a blob was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -120,7 +142,8 @@ impl AgentMetadata {
     /// # Errors
     /// [`MetadataError::TooLarge`] if a field exceeds the format's limits.
     pub fn encode(&self) -> Result<Vec<u8>, MetadataError> {
-        if self.name.len() > MAX_NAME || self.address.len() > MAX_NAME {
+        if self.name.len() > MAX_NAME || self.address.len() > MAX_NAME || self.node.len() > MAX_NAME
+        {
             return Err(MetadataError::TooLarge(
                 "name or address over 256 bytes".into(),
             ));
@@ -137,9 +160,14 @@ impl AgentMetadata {
             + 8
             + 2
             + self.address.len()
+            + 2
+            + self.node.len()
+            + 4
             + 1
             + 4
             + self.regions.len() * region_bytes(rails)
+            + 4
+            + self.ipc.len() * IPC_BYTES
             + 8;
         if size > MAX_BLOB {
             return Err(MetadataError::TooLarge(format!("{size} bytes")));
@@ -151,6 +179,8 @@ impl AgentMetadata {
         put_str(&mut out, &self.name);
         out.extend_from_slice(&self.generation.to_be_bytes());
         put_str(&mut out, &self.address);
+        put_str(&mut out, &self.node);
+        out.extend_from_slice(&self.process.to_be_bytes());
         out.push(rails as u8);
         out.extend_from_slice(&(self.regions.len() as u32).to_be_bytes());
         for r in &self.regions {
@@ -164,6 +194,12 @@ impl AgentMetadata {
                 MemKind::Dram => 0,
                 MemKind::Vram => 1,
             });
+        }
+        out.extend_from_slice(&(self.ipc.len() as u32).to_be_bytes());
+        for x in &self.ipc {
+            out.extend_from_slice(&x.region.to_be_bytes());
+            out.extend_from_slice(&x.gpu.to_be_bytes());
+            out.extend_from_slice(&x.handle);
         }
         let sum = fnv(&out);
         out.extend_from_slice(&sum.to_be_bytes());
@@ -215,6 +251,11 @@ impl AgentMetadata {
         }
         let generation = r.u64()?;
         let address = r.string()?;
+        let (node, process) = if version == 1 {
+            (String::new(), 0)
+        } else {
+            (r.string()?, r.u32()?)
+        };
         let rails = if version == 1 {
             1
         } else {
@@ -224,7 +265,13 @@ impl AgentMetadata {
             return Err(MetadataError::Invalid(format!("{rails} rails")));
         }
         let count = r.u32()? as usize;
-        if count.saturating_mul(region_bytes(rails)) != body.len() - r.at {
+        let ipc_tail = if version == 1 { 0 } else { 4 };
+        if count
+            .saturating_mul(region_bytes(rails))
+            .saturating_add(ipc_tail)
+            > body.len() - r.at
+            || (version == 1 && count.saturating_mul(region_bytes(rails)) != body.len() - r.at)
+        {
             return Err(MetadataError::Invalid(format!(
                 "{count} regions do not fit the blob"
             )));
@@ -253,12 +300,44 @@ impl AgentMetadata {
                 rail_rkeys,
             });
         }
+        let mut ipc = Vec::new();
+        if version != 1 {
+            let n = r.u32()? as usize;
+            if n.saturating_mul(IPC_BYTES) != body.len() - r.at {
+                return Err(MetadataError::Invalid(format!(
+                    "{n} IPC exports do not fit the blob"
+                )));
+            }
+            for _ in 0..n {
+                let (region, gpu) = (r.u64()?, r.u32()?);
+                let handle: [u8; 64] = r
+                    .take(64)?
+                    .try_into()
+                    .map_err(|_| MetadataError::Truncated("IPC handle"))?;
+                if !regions
+                    .iter()
+                    .any(|x| x.id == region && x.kind == MemKind::Vram)
+                {
+                    return Err(MetadataError::Invalid(format!(
+                        "IPC export for region {region}, which is not a VRAM region"
+                    )));
+                }
+                ipc.push(IpcExport {
+                    region,
+                    gpu,
+                    handle,
+                });
+            }
+        }
         Ok(AgentMetadata {
             name,
             generation,
             address,
             regions,
             rails: rails as u8,
+            node,
+            process,
+            ipc,
         })
     }
 }
@@ -328,6 +407,9 @@ mod tests {
                 })
                 .collect(),
             rails: 2,
+            node: "boot-1234/host-a".into(),
+            process: 4242,
+            ipc: vec![],
         }
     }
 
@@ -414,11 +496,18 @@ mod tests {
                 .collect(),
             ..sample()
         };
+        let one = AgentMetadata {
+            node: String::new(),
+            process: 0,
+            ..one
+        };
         let v2 = one.encode().expect("encode");
-        // Rebuild it as version 1: drop the rails byte after the address, fix length and sum.
+        // Rebuild it as version 1: drop node, process and rails after the address and the
+        // empty IPC section at the end, then fix the length and sum.
         let addr_end = 12 + 2 + one.name.len() + 8 + 2 + one.address.len();
-        let mut v1 = v2[..v2.len() - 8].to_vec();
-        assert_eq!(v1.remove(addr_end), 1);
+        let mut v1 = v2[..v2.len() - 8 - 4].to_vec();
+        let removed: Vec<u8> = v1.drain(addr_end..addr_end + 2 + 4 + 1).collect();
+        assert_eq!(removed, [0, 0, 0, 0, 0, 0, 1]);
         v1[7] = 1;
         let total = (v1.len() + 8) as u32;
         v1[8..12].copy_from_slice(&total.to_be_bytes());
@@ -426,6 +515,24 @@ mod tests {
         v1.extend_from_slice(&sum.to_be_bytes());
         assert_eq!(AgentMetadata::decode(&v1).expect("v1 decodes"), one);
         assert_eq!(sample().regions[1].rkey_on(1), 0x201);
+    }
+
+    #[test]
+    fn ipc_exports_round_trip_and_must_name_a_vram_region() {
+        let mut m = sample();
+        m.regions[2].kind = MemKind::Vram;
+        m.ipc = vec![IpcExport {
+            region: 2,
+            gpu: 3,
+            handle: [7; 64],
+        }];
+        let blob = m.encode().expect("encode");
+        assert_eq!(AgentMetadata::decode(&blob).expect("decode"), m);
+        m.ipc[0].region = 1; // a DRAM region
+        assert!(matches!(
+            AgentMetadata::decode(&m.encode().expect("encode")),
+            Err(MetadataError::Invalid(_))
+        ));
         assert_eq!(sample().regions[1].rkey_on(0), 0x101);
     }
 }

@@ -83,6 +83,9 @@ pub enum AgentError {
     /// A FILE registration failed.
     #[error(transparent)]
     File(#[from] FileError),
+    /// A CUDA IPC copy (same-node GPU path) failed.
+    #[error(transparent)]
+    Ipc(#[from] crate::nvlink::ipc::IpcError),
 }
 
 /// Transfers of at least this many bytes are striped over the rails both agents have.
@@ -101,6 +104,71 @@ fn remap_rkeys(
             ..*d
         })
         .collect()
+}
+
+/// What a same-node GPU transfer needs: the remote pieces and the peer's exports they fall in.
+#[derive(Debug, Clone)]
+struct IpcPlan {
+    local_gpu: u32,
+    remote_gpu: u32,
+    remote: RemoteDescList,
+    /// (region id, start address, length, handle) of every export the pieces use.
+    exports: Vec<(u64, u64, u64, [u8; 64])>,
+}
+
+impl IpcPlan {
+    /// (region id, offset in the region, handle, region length) of the piece at `addr`.
+    fn lookup(&self, addr: u64) -> Option<(u64, u64, [u8; 64], u64)> {
+        self.exports
+            .iter()
+            .find(|&&(_, a, l, _)| addr >= a && addr < a + l)
+            .map(|&(id, a, l, h)| (id, addr - a, h, l))
+    }
+}
+
+/// The pure part of the same-node check: same node (known), another process, and every remote
+/// piece inside one exported VRAM region of a single GPU.
+fn plan_ipc(
+    node: &str,
+    process: u32,
+    md: &AgentMetadata,
+    remote: &RemoteDescList,
+) -> Option<IpcPlan> {
+    if node.is_empty() || md.node != node || md.process == process || md.ipc.is_empty() {
+        return None;
+    }
+    let mut exports = Vec::new();
+    let mut gpu = None;
+    for d in &remote.0 {
+        let (x, r) = md.ipc.iter().find_map(|x| {
+            md.regions
+                .iter()
+                .find(|r| r.id == x.region && d.addr >= r.addr && d.addr + d.len <= r.addr + r.len)
+                .map(|r| (x, r))
+        })?;
+        if *gpu.get_or_insert(x.gpu) != x.gpu {
+            return None;
+        }
+        if !exports
+            .iter()
+            .any(|e: &(u64, u64, u64, [u8; 64])| e.0 == r.id)
+        {
+            exports.push((r.id, r.addr, r.len, x.handle));
+        }
+    }
+    Some(IpcPlan {
+        local_gpu: 0,
+        remote_gpu: gpu?,
+        remote: remote.clone(),
+        exports,
+    })
+}
+
+/// This machine in metadata: the kernel's boot id (unique per boot) and the host name.
+fn node_identity() -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    format!("{}/{}", boot.trim(), host.trim())
 }
 
 /// A notification: the sending agent's name and the message.
@@ -247,6 +315,8 @@ struct Reg {
     /// The same memory registered on rails 1.. (multi-rail agents).
     rails: Vec<Region>,
     visibility: Visibility,
+    /// CUDA IPC export of a VRAM region: (GPU ordinal, handle).
+    ipc: Option<(u32, [u8; 64])>,
 }
 
 #[derive(Default)]
@@ -256,6 +326,8 @@ struct PeerState {
     conn: Option<ConnId>,
     /// Connections on rails 1.. (`rail_conns[i - 1]` for rail `i`).
     rail_conns: Vec<Option<ConnId>>,
+    /// The peer's VRAM regions opened through CUDA IPC, by region id.
+    imported: HashMap<u64, Arc<crate::nvlink::ipc::ImportedMemory>>,
 }
 
 impl PeerState {
@@ -280,6 +352,12 @@ pub(crate) struct Inner {
     rail_engines: Vec<EngineHandle>,
     rail_pools: Mutex<Vec<EnginePool>>,
     regs: Mutex<BTreeMap<u64, Reg>>,
+    /// This machine's identity in metadata (boot id and host name).
+    node: String,
+    /// The machine model, discovered on first need (same-node GPU path choice).
+    machine: std::sync::OnceLock<crate::topology::Machine>,
+    /// CUDA streams for same-node GPU copies, by GPU ordinal.
+    copy_streams: Mutex<HashMap<i32, Arc<crate::nvlink::ipc::CopyStream>>>,
     next_id: AtomicU64,
     peers: Mutex<HashMap<String, PeerState>>,
     address: Mutex<String>,
@@ -438,6 +516,9 @@ impl Agent {
                 rail_engines,
                 rail_pools: Mutex::new(rail_pools),
                 regs: Mutex::new(BTreeMap::new()),
+                node: node_identity(),
+                machine: std::sync::OnceLock::new(),
+                copy_streams: Mutex::new(HashMap::new()),
                 next_id: AtomicU64::new(1),
                 peers: Mutex::new(HashMap::new()),
                 address: Mutex::new(String::new()),
@@ -530,13 +611,14 @@ impl Agent {
             .await?)
     }
 
-    /// Registers `len` bytes of memory on GPU `ordinal` for GPUDirect RDMA (dma-buf first,
-    /// nvidia-peermem second), visible per `visibility`: peers RDMA-READ/WRITE it directly, and
-    /// it can be a local descriptor of any transfer (no host bounce).
+    /// Registers `len` bytes of memory on GPU `ordinal`, visible per `visibility`, and exports
+    /// it for CUDA IPC. With a NIC it is registered for GPUDirect RDMA (dma-buf first,
+    /// nvidia-peermem second): peers RDMA-READ/WRITE it directly, with no host bounce. Peers on
+    /// the same node reach it by CUDA IPC when the topology says the GPUs are peers.
     ///
     /// # Errors
-    /// [`AgentError::Runtime`] with `Gpu(NoCuda)` without a driver, `NoNic` without a NIC, or
-    /// the registration failure of both paths.
+    /// [`AgentError::Runtime`] with `Gpu(NoCuda)` without a driver, or the registration
+    /// failure of both GPUDirect paths.
     pub async fn register_vram(
         &self,
         ordinal: i32,
@@ -544,7 +626,21 @@ impl Agent {
         visibility: Visibility,
     ) -> Result<Registration, AgentError> {
         let region = self.inner.engine.register_gpu(ordinal, len).await?;
-        Ok(self.add_registration(region, visibility, Vec::new()))
+        let ipc =
+            region.gpu_registration().and_then(|g| {
+                match crate::nvlink::ipc::IpcHandle::export(g.memory()) {
+                    Ok(h) => Some((ordinal as u32, h.0)),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "VRAM region not exported for CUDA IPC");
+                        None
+                    }
+                }
+            });
+        let reg = self.add_registration(region, visibility, Vec::new());
+        if let Some(r) = lock(&self.inner.regs).get_mut(&reg.id()) {
+            r.ipc = ipc;
+        }
+        Ok(reg)
     }
 
     fn add_registration(
@@ -560,6 +656,7 @@ impl Agent {
                 region: region.clone(),
                 rails,
                 visibility,
+                ipc: None,
             },
         );
         Registration {
@@ -764,6 +861,14 @@ impl Agent {
         remote: RemoteDescList,
         notification: Option<&[u8]>,
     ) -> Result<TransferStats, AgentError> {
+        if let Some(plan) = self.inner.ipc_plan(peer, &local, &remote) {
+            let st = self.ipc_transfer(peer, op, &local, plan).await?;
+            if let Some(msg) = notification {
+                let conn = sidechannel::ensure_connection(&self.inner, peer).await?;
+                self.notify_on(conn, msg).await?;
+            }
+            return Ok(st);
+        }
         let conn = sidechannel::ensure_connection(&self.inner, peer).await?;
         let rails = self.inner.shared_rails(peer);
         let st = if rails > 1 && local.total_len() >= STRIPE_MIN {
@@ -777,6 +882,82 @@ impl Agent {
         if let Some(msg) = notification {
             self.notify_on(conn, msg).await?;
         }
+        Ok(st)
+    }
+
+    /// The same-node GPU path: each remote piece is copied to or from the peer's VRAM opened
+    /// through CUDA IPC, on a per-GPU stream, awaited through its event.
+    async fn ipc_transfer(
+        &self,
+        peer: &str,
+        op: Op,
+        local: &LocalDescList,
+        plan: IpcPlan,
+    ) -> Result<TransferStats, AgentError> {
+        use crate::nvlink::ipc::{CopyStream, DeviceRange, ImportedMemory, IpcHandle};
+        let gpu = crate::gpudirect::Gpu::open(plan.local_gpu as i32)
+            .map_err(crate::nvlink::ipc::IpcError::from)?;
+        let stream = {
+            let mut streams = lock(&self.inner.copy_streams);
+            match streams.get(&(plan.local_gpu as i32)) {
+                Some(s) => Arc::clone(s),
+                None => {
+                    let s = Arc::new(CopyStream::new(&gpu)?);
+                    streams.insert(plan.local_gpu as i32, Arc::clone(&s));
+                    s
+                }
+            }
+        };
+        let mut copies = Vec::new();
+        let (l, r) = &crate::runtime::desc::split_stream(local, &plan.remote, 1, u64::MAX)[0];
+        for (d, x) in l.descs().iter().zip(&r.0) {
+            let (region_id, offset, handle, len) =
+                plan.lookup(x.addr).ok_or(AgentError::UnknownRegion {
+                    peer: peer.to_string(),
+                    region: 0,
+                })?;
+            let imported = {
+                let cached = lock(&self.inner.peers)
+                    .get(peer)
+                    .and_then(|p| p.imported.get(&region_id).cloned());
+                match cached {
+                    Some(m) => m,
+                    None => {
+                        let m = Arc::new(ImportedMemory::open(
+                            &gpu,
+                            &IpcHandle(handle),
+                            len as usize,
+                        )?);
+                        if let Some(p) = lock(&self.inner.peers).get_mut(peer) {
+                            p.imported.insert(region_id, Arc::clone(&m));
+                        }
+                        m
+                    }
+                }
+            };
+            let mine: Arc<dyn DeviceRange> = Arc::new(l.regions()[d.region as usize].clone());
+            let theirs: Arc<dyn DeviceRange> = imported;
+            let (dst, dst_off, src, src_off) = match op {
+                Op::Write => (theirs, offset, mine, d.offset),
+                Op::Read => (mine, d.offset, theirs, offset),
+            };
+            copies.push(stream.copy(
+                dst,
+                dst_off as usize,
+                src,
+                src_off as usize,
+                d.len as usize,
+            )?);
+        }
+        let n = copies.len();
+        for c in copies {
+            crate::runtime::gpu::wait_copy(c).await?;
+        }
+        tracing::debug!(agent = %self.inner.name, %peer, copies = n, "CUDA IPC transfer");
+        let mut st = TransferStats::default();
+        st.bytes = local.total_len();
+        st.descriptors = local.len();
+        st.work_requests = n;
         Ok(st)
     }
 
@@ -911,7 +1092,12 @@ impl Inner {
         let regions = lock(&self.regs)
             .iter()
             // Host memory of a core without a NIC is not reachable by peers.
-            .filter(|(_, r)| r.region.registration().is_some() && r.visibility.allows(reader))
+            // Host memory of a core without a NIC is not reachable by peers; GPU memory is, by
+            // CUDA IPC from the same node, when it is exported.
+            .filter(|(_, r)| {
+                (r.region.registration().is_some() || r.ipc.is_some())
+                    && r.visibility.allows(reader)
+            })
             .map(|(&id, r)| {
                 let mut rail_rkeys = [0u32; MAX_RAILS - 1];
                 for (k, x) in rail_rkeys.iter_mut().zip(&r.rails) {
@@ -931,12 +1117,62 @@ impl Inner {
                 }
             })
             .collect();
+        let ipc = lock(&self.regs)
+            .iter()
+            .filter(|(_, r)| r.visibility.allows(reader))
+            .filter_map(|(&id, r)| {
+                r.ipc.map(|(gpu, handle)| metadata::IpcExport {
+                    region: id,
+                    gpu,
+                    handle,
+                })
+            })
+            .collect();
         AgentMetadata {
             name: self.name.clone(),
             generation: self.generation,
             address: lock(&self.address).clone(),
             regions,
             rails: (1 + self.rail_engines.len()) as u8,
+            node: self.node.clone(),
+            process: std::process::id(),
+            ipc,
+        }
+    }
+
+    /// Whether a transfer with `peer` takes the same-node GPU path (CUDA IPC): the peer runs on
+    /// this node in another process, every local region is GPU memory, every remote piece lies in
+    /// a VRAM region the peer exported, and the topology's path choice says CUDA IPC for the two
+    /// GPUs (NVLink or P2P, or the same GPU).
+    fn ipc_plan(
+        &self,
+        peer: &str,
+        local: &LocalDescList,
+        remote: &RemoteDescList,
+    ) -> Option<IpcPlan> {
+        if !local.regions().iter().all(Region::is_gpu) || local.is_empty() {
+            return None;
+        }
+        let local_gpu = local.regions()[0]
+            .gpu_registration()?
+            .memory()
+            .gpu()
+            .ordinal() as u32;
+        let peers = lock(&self.peers);
+        let md = peers.get(peer)?.metadata.as_ref()?;
+        let plan = plan_ipc(&self.node, std::process::id(), md, remote)?;
+        let machine = self.machine.get_or_init(crate::machine::discover);
+        let place = |process, index| crate::topology::Place {
+            node: self.node.clone(),
+            process,
+            memory: crate::topology::MemoryLocation::Gpu { index },
+        };
+        match machine.choose_path(
+            &place(std::process::id(), local_gpu),
+            &place(md.process, plan.remote_gpu),
+        ) {
+            crate::topology::Path::CudaIpc { .. } => Some(IpcPlan { local_gpu, ..plan }),
+            _ => None,
         }
     }
 
@@ -1048,5 +1284,96 @@ impl Inner {
                 }
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod ipc_tests {
+    use super::*;
+    use metadata::IpcExport;
+
+    fn md(node: &str, process: u32) -> AgentMetadata {
+        let region = |id: u64, addr: u64, kind| RegionInfo {
+            id,
+            addr,
+            len: 1 << 20,
+            rkey: 1,
+            kind,
+            rail_rkeys: [0; MAX_RAILS - 1],
+        };
+        AgentMetadata {
+            name: "peer".into(),
+            generation: 1,
+            address: String::new(),
+            regions: vec![
+                region(1, 0x1000_0000, MemKind::Vram),
+                region(2, 0x2000_0000, MemKind::Dram),
+                region(3, 0x3000_0000, MemKind::Vram),
+            ],
+            rails: 1,
+            node: node.into(),
+            process,
+            ipc: vec![
+                IpcExport {
+                    region: 1,
+                    gpu: 0,
+                    handle: [1; 64],
+                },
+                IpcExport {
+                    region: 3,
+                    gpu: 1,
+                    handle: [3; 64],
+                },
+            ],
+        }
+    }
+
+    fn remote(pieces: &[(u64, u64)]) -> RemoteDescList {
+        pieces
+            .iter()
+            .map(|&(addr, len)| RemoteDesc { addr, len, rkey: 1 })
+            .collect()
+    }
+
+    #[test]
+    fn same_node_other_process_exported_vram_takes_cuda_ipc() {
+        let r = remote(&[(0x1000_0000, 4096), (0x1000_8000, 4096)]);
+        let plan = plan_ipc("boot/a", 10, &md("boot/a", 11), &r).expect("IPC");
+        assert_eq!(plan.remote_gpu, 0);
+        assert_eq!(plan.exports.len(), 1);
+        assert_eq!(
+            plan.lookup(0x1000_8000),
+            Some((1, 0x8000, [1; 64], 1 << 20))
+        );
+        assert_eq!(plan.lookup(0x2000_0000), None);
+    }
+
+    #[test]
+    fn anything_else_stays_on_rdma() {
+        let r = remote(&[(0x1000_0000, 4096)]);
+        assert!(
+            plan_ipc("boot/a", 10, &md("boot/b", 11), &r).is_none(),
+            "other node"
+        );
+        assert!(
+            plan_ipc("boot/a", 10, &md("boot/a", 10), &r).is_none(),
+            "same process"
+        );
+        assert!(plan_ipc("", 10, &md("", 11), &r).is_none(), "unknown node");
+        let dram = remote(&[(0x2000_0000, 4096)]);
+        assert!(
+            plan_ipc("boot/a", 10, &md("boot/a", 11), &dram).is_none(),
+            "DRAM"
+        );
+        let two_gpus = remote(&[(0x1000_0000, 4096), (0x3000_0000, 4096)]);
+        assert!(
+            plan_ipc("boot/a", 10, &md("boot/a", 11), &two_gpus).is_none(),
+            "two GPUs"
+        );
+        let past = remote(&[(0x1000_0000 + (1 << 20) - 10, 4096)]);
+        assert!(
+            plan_ipc("boot/a", 10, &md("boot/a", 11), &past).is_none(),
+            "outside"
+        );
     }
 }
