@@ -56,7 +56,28 @@ enum Command {
         reply: Reply<Result<TransferStats, TransferError>>,
     },
     FileCounters(Reply<FileCounters>),
+    DeviceCopies(
+        std::sync::Arc<rixl_nvlink::ipc::CopyStream>,
+        Vec<DeviceCopy>,
+        Reply<Result<(), rixl_nvlink::ipc::IpcError>>,
+    ),
     Shutdown(Reply<()>),
+}
+
+/// One device-to-device copy for [`EngineHandle::device_copies`]: `len` bytes from `src` at
+/// `src_offset` to `dst` at `dst_offset`.
+#[derive(Debug, Clone)]
+pub struct DeviceCopy {
+    /// Destination memory.
+    pub dst: std::sync::Arc<dyn rixl_nvlink::ipc::DeviceRange>,
+    /// Offset in the destination.
+    pub dst_offset: usize,
+    /// Source memory.
+    pub src: std::sync::Arc<dyn rixl_nvlink::ipc::DeviceRange>,
+    /// Offset in the source.
+    pub src_offset: usize,
+    /// Bytes.
+    pub len: usize,
 }
 
 /// A `Send + Clone` handle to an engine: any thread or task can submit work to the engine that
@@ -127,6 +148,24 @@ impl EngineHandle {
         })
         .await
         .unwrap_or(Err(TransferError::EngineGone))
+    }
+
+    /// Enqueues `copies` on `stream` and waits for their CUDA events on this engine's core (the
+    /// same core that polls its RDMA completions), so a CUDA-IPC transfer is a future like an
+    /// RDMA one. Every range is checked before anything is enqueued.
+    ///
+    /// # Errors
+    /// [`rixl_nvlink::ipc::IpcError`] for a bad range or a failing copy.
+    pub async fn device_copies(
+        &self,
+        stream: std::sync::Arc<rixl_nvlink::ipc::CopyStream>,
+        copies: Vec<DeviceCopy>,
+    ) -> Result<(), rixl_nvlink::ipc::IpcError> {
+        ask(&self.tx, |r| Command::DeviceCopies(stream, copies, r))
+            .await
+            .unwrap_or(Err(rixl_nvlink::ipc::IpcError::Gpu(
+                rixl_gpudirect::Error::InvalidArgument("the engine has shut down".into()),
+            )))
     }
 
     /// The FILE tier's counters.
@@ -312,6 +351,36 @@ fn serve_core(
     (handle, serve(engine, id, rx))
 }
 
+async fn run_device_copies(
+    stream: &rixl_nvlink::ipc::CopyStream,
+    copies: Vec<DeviceCopy>,
+) -> Result<(), rixl_nvlink::ipc::IpcError> {
+    for c in &copies {
+        if c.dst_offset
+            .checked_add(c.len)
+            .is_none_or(|e| e > c.dst.device_len())
+            || c.src_offset
+                .checked_add(c.len)
+                .is_none_or(|e| e > c.src.device_len())
+        {
+            return Err(rixl_nvlink::ipc::IpcError::OutOfRange {
+                side: "copy",
+                offset: c.dst_offset.max(c.src_offset),
+                len: c.len,
+                size: c.dst.device_len().min(c.src.device_len()),
+            });
+        }
+    }
+    let mut pending = Vec::with_capacity(copies.len());
+    for c in copies {
+        pending.push(stream.copy(c.dst, c.dst_offset, c.src, c.src_offset, c.len)?);
+    }
+    for p in pending {
+        crate::gpu::wait_copy(p).await?;
+    }
+    Ok(())
+}
+
 fn spawn(f: impl std::future::Future<Output = ()> + 'static) {
     glommio::spawn_local(f).detach();
 }
@@ -446,6 +515,9 @@ async fn serve(engine: Option<Engine>, id: u64, mut rx: mpsc::UnboundedReceiver<
                 })
                 .detach();
             }
+            Command::DeviceCopies(stream, copies, r) => spawn(async move {
+                let _ = r.send(run_device_copies(&stream, copies).await);
+            }),
             Command::FileCounters(r) => {
                 let _ = r.send(files.counters());
             }

@@ -23,5 +23,5 @@ pub use engine::{
 pub mod handle;
 pub mod preflight;
 
-pub use handle::{available_cpus, EngineHandle, EnginePool, DEFAULT_IO_MEMORY};
+pub use handle::{available_cpus, DeviceCopy, EngineHandle, EnginePool, DEFAULT_IO_MEMORY};
 pub use join::join_all;

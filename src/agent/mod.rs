@@ -941,18 +941,17 @@ impl Agent {
                 Op::Write => (theirs, offset, mine, d.offset),
                 Op::Read => (mine, d.offset, theirs, offset),
             };
-            copies.push(stream.copy(
+            copies.push(crate::runtime::DeviceCopy {
                 dst,
-                dst_off as usize,
+                dst_offset: dst_off as usize,
                 src,
-                src_off as usize,
-                d.len as usize,
-            )?);
+                src_offset: src_off as usize,
+                len: d.len as usize,
+            });
         }
         let n = copies.len();
-        for c in copies {
-            crate::runtime::gpu::wait_copy(c).await?;
-        }
+        // Enqueued and awaited on the engine's core, like RDMA work.
+        self.inner.engine.device_copies(stream, copies).await?;
         tracing::debug!(agent = %self.inner.name, %peer, copies = n, "CUDA IPC transfer");
         let mut st = TransferStats::default();
         st.bytes = local.total_len();
