@@ -34,6 +34,10 @@ pub enum IpcError {
         /// Size of the memory.
         size: usize,
     },
+    /// The copies did not finish within the transfer's deadline (they finish in the
+    /// background; their memory stays alive until then).
+    #[error("device copies timed out after {0:?}")]
+    Timeout(std::time::Duration),
     /// A handle of the wrong length.
     #[error("an IPC handle is 64 bytes, not {0}")]
     BadHandle(usize),
@@ -155,6 +159,30 @@ impl Drop for ImportedMemory {
     }
 }
 
+/// Checks that `len` bytes at `dst_off` of `dst` and at `src_off` of `src` lie inside them.
+///
+/// # Errors
+/// [`IpcError::OutOfRange`] naming the side.
+pub fn check_ranges(
+    dst: &dyn DeviceRange,
+    dst_off: usize,
+    src: &dyn DeviceRange,
+    src_off: usize,
+    len: usize,
+) -> Result<(), IpcError> {
+    for (side, r, off) in [("destination", dst, dst_off), ("source", src, src_off)] {
+        if off.checked_add(len).is_none_or(|end| end > r.device_len()) {
+            return Err(IpcError::OutOfRange {
+                side,
+                offset: off,
+                len,
+                size: r.device_len(),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// A non-blocking CUDA stream for one engine's device copies.
 #[derive(Debug)]
 pub struct CopyStream {
@@ -198,16 +226,7 @@ impl CopyStream {
         src_off: usize,
         len: usize,
     ) -> Result<PendingCopy, IpcError> {
-        for (side, r, off) in [("destination", &dst, dst_off), ("source", &src, src_off)] {
-            if off.checked_add(len).is_none_or(|end| end > r.device_len()) {
-                return Err(IpcError::OutOfRange {
-                    side,
-                    offset: off,
-                    len,
-                    size: r.device_len(),
-                });
-            }
-        }
+        check_ranges(&*dst, dst_off, &*src, src_off, len)?;
         self.gpu.bind()?;
         // SAFETY: both ranges are inside live device allocations (checked above; `Arc`s keep them
         // alive until the event completes, see `PendingCopy`). Unified addressing lets

@@ -355,21 +355,9 @@ async fn run_device_copies(
     stream: &rixl_nvlink::ipc::CopyStream,
     copies: Vec<DeviceCopy>,
 ) -> Result<(), rixl_nvlink::ipc::IpcError> {
+    // Every range first, so a bad one enqueues nothing.
     for c in &copies {
-        if c.dst_offset
-            .checked_add(c.len)
-            .is_none_or(|e| e > c.dst.device_len())
-            || c.src_offset
-                .checked_add(c.len)
-                .is_none_or(|e| e > c.src.device_len())
-        {
-            return Err(rixl_nvlink::ipc::IpcError::OutOfRange {
-                side: "copy",
-                offset: c.dst_offset.max(c.src_offset),
-                len: c.len,
-                size: c.dst.device_len().min(c.src.device_len()),
-            });
-        }
+        rixl_nvlink::ipc::check_ranges(&*c.dst, c.dst_offset, &*c.src, c.src_offset, c.len)?;
     }
     let mut pending = Vec::with_capacity(copies.len());
     for c in copies {
@@ -515,9 +503,26 @@ async fn serve(engine: Option<Engine>, id: u64, mut rx: mpsc::UnboundedReceiver<
                 })
                 .detach();
             }
-            Command::DeviceCopies(stream, copies, r) => spawn(async move {
-                let _ = r.send(run_device_copies(&stream, copies).await);
-            }),
+            Command::DeviceCopies(stream, copies, r) => {
+                // The copies run in their own task (it owns their memory until the GPU is done);
+                // the reply races them against the transfer deadline.
+                let (tx, rx) = futures_channel::oneshot::channel();
+                spawn(async move {
+                    let _ = tx.send(run_device_copies(&stream, copies).await);
+                });
+                let timeout = cfg.transfer_timeout;
+                spawn(async move {
+                    let done = async { rx.await.ok() };
+                    let expired = async {
+                        glommio::timer::sleep(timeout).await;
+                        None
+                    };
+                    let res = futures_lite::future::or(done, expired)
+                        .await
+                        .unwrap_or(Err(rixl_nvlink::ipc::IpcError::Timeout(timeout)));
+                    let _ = r.send(res);
+                });
+            }
             Command::FileCounters(r) => {
                 let _ = r.send(files.counters());
             }
