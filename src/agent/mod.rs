@@ -323,9 +323,8 @@ struct Reg {
 struct PeerState {
     metadata: Option<AgentMetadata>,
     regions: HashMap<u64, RegionInfo>,
-    conn: Option<ConnId>,
-    /// Connections on rails 1.. (`rail_conns[i - 1]` for rail `i`).
-    rail_conns: Vec<Option<ConnId>>,
+    /// Connections by rail (rail 0 also carries notifications).
+    conns: Vec<Option<ConnId>>,
     /// The peer's VRAM regions opened through CUDA IPC, by region id.
     imported: HashMap<u64, Arc<crate::nvlink::ipc::ImportedMemory>>,
 }
@@ -333,13 +332,24 @@ struct PeerState {
 impl PeerState {
     /// Every connection of the peer, with its rail.
     fn take_conns(&mut self) -> Vec<(usize, ConnId)> {
-        let mut v: Vec<(usize, ConnId)> = self.conn.take().map(|c| (0, c)).into_iter().collect();
-        for (i, c) in self.rail_conns.iter_mut().enumerate() {
-            if let Some(c) = c.take() {
-                v.push((i + 1, c));
-            }
+        self.conns
+            .drain(..)
+            .enumerate()
+            .filter_map(|(rail, c)| c.map(|c| (rail, c)))
+            .collect()
+    }
+
+    /// The connection on `rail`, if made.
+    fn conn(&self, rail: usize) -> Option<ConnId> {
+        self.conns.get(rail).copied().flatten()
+    }
+
+    /// Records the connection on `rail`; returns the one it replaces.
+    fn set_conn(&mut self, rail: usize, conn: ConnId) -> Option<ConnId> {
+        if self.conns.len() <= rail {
+            self.conns.resize(rail + 1, None);
         }
-        v
+        self.conns[rail].replace(conn)
     }
 }
 
@@ -1186,6 +1196,10 @@ impl Inner {
 
     /// Rails both this agent and `peer` have.
     fn shared_rails(&self, peer: &str) -> usize {
+        if self.rail_engines.is_empty() {
+            // Single-rail agents take no lock for this on every transfer.
+            return 1;
+        }
         let theirs = lock(&self.peers)
             .get(peer)
             .and_then(|p| p.metadata.as_ref().map(|m| usize::from(m.rails.max(1))))
@@ -1204,18 +1218,32 @@ impl Inner {
 
     /// `list` (built on rail-0 regions) with each region replaced by its registration on `rail`.
     fn on_rail(&self, list: &LocalDescList, rail: usize) -> Result<LocalDescList, AgentError> {
-        let regs = lock(&self.regs);
+        // Map each distinct region once (the list keeps them deduplicated), then the descriptors.
+        let mapped: Vec<Region> = {
+            let regs = lock(&self.regs);
+            list.regions()
+                .iter()
+                .enumerate()
+                .map(|(i, r0)| {
+                    regs.values()
+                        .find(|g| g.region.same(r0))
+                        .and_then(|g| g.rails.get(rail - 1).cloned())
+                        .ok_or_else(|| {
+                            let index = list
+                                .descs()
+                                .iter()
+                                .position(|d| d.region as usize == i)
+                                .unwrap_or(0);
+                            AgentError::Transfer(TransferError::InvalidDescriptor(
+                                crate::runtime::InvalidDescriptor::ForeignRegion { index },
+                            ))
+                        })
+                })
+                .collect::<Result<_, _>>()?
+        };
         let mut out = LocalDescList::with_capacity(list.len());
         for d in list.descs() {
-            let r0 = &list.regions()[d.region as usize];
-            let on = regs
-                .values()
-                .find(|g| g.region.same(r0))
-                .and_then(|g| g.rails.get(rail - 1))
-                .ok_or(AgentError::Transfer(TransferError::InvalidDescriptor(
-                    crate::runtime::InvalidDescriptor::ForeignRegion { index: 0 },
-                )))?;
-            out.push(on, d.offset, d.len);
+            out.push(&mapped[d.region as usize], d.offset, d.len);
         }
         Ok(out)
     }

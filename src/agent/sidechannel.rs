@@ -1,6 +1,6 @@
 //! The TCP side channel: a peer fetches our metadata (scoped for it) and sets up its connection.
-//! Text lines: `MD <requester>` → hex metadata; `CONNECT <requester> <endpoint hex>` → our
-//! endpoint hex (or `ERR <reason>`).
+//! Text lines: `MD <requester>` → hex metadata; `CONNECT <requester> <endpoint hex> [rail]` →
+//! our endpoint hex (or `ERR <reason>`); without a rail, rail 0.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -126,18 +126,10 @@ fn accept_connection(
     let theirs = Endpoint::from_bytes(&unhex(ep)?).map_err(sc)?;
     let (conn, mine) = block_on(engine.prepare_connection())?;
     block_on(engine.complete_connection(conn, theirs))?;
-    let old = {
-        let mut peers = lock(&inner.peers);
-        let p = peers.entry(requester.to_string()).or_default();
-        if rail == 0 {
-            p.conn.replace(conn)
-        } else {
-            if p.rail_conns.len() < rail {
-                p.rail_conns.resize(rail, None);
-            }
-            p.rail_conns[rail - 1].replace(conn)
-        }
-    };
+    let old = lock(&inner.peers)
+        .entry(requester.to_string())
+        .or_default()
+        .set_conn(rail, conn);
     if let Some(old) = old {
         block_on(engine.close_connection(old));
     }
@@ -179,11 +171,7 @@ pub(super) async fn ensure_rail(
         let p = peers
             .get(peer)
             .ok_or_else(|| AgentError::UnknownPeer(peer.to_string()))?;
-        let existing = if rail == 0 {
-            p.conn
-        } else {
-            p.rail_conns.get(rail - 1).copied().flatten()
-        };
+        let existing = p.conn(rail);
         if let Some(c) = existing {
             return Ok(c);
         }
@@ -199,11 +187,7 @@ pub(super) async fn ensure_rail(
     let (conn, mine) = engine.prepare_connection().await?;
     let s = connect(&addr)?;
     let mut w = s.try_clone().map_err(sc)?;
-    if rail == 0 {
-        writeln!(w, "CONNECT {} {}", inner.name, hex(&mine.to_bytes())).map_err(sc)?;
-    } else {
-        writeln!(w, "CONNECT {} {} {rail}", inner.name, hex(&mine.to_bytes())).map_err(sc)?;
-    }
+    writeln!(w, "CONNECT {} {} {rail}", inner.name, hex(&mine.to_bytes())).map_err(sc)?;
     let line = read_line(&mut BufReader::new(s))?;
     if let Some(e) = line.strip_prefix("ERR ") {
         engine.close_connection(conn).await;
@@ -213,18 +197,10 @@ pub(super) async fn ensure_rail(
     }
     let theirs = Endpoint::from_bytes(&unhex(&line)?).map_err(sc)?;
     engine.complete_connection(conn, theirs).await?;
-    {
-        let mut peers = lock(&inner.peers);
-        let p = peers.entry(peer.to_string()).or_default();
-        if rail == 0 {
-            p.conn = Some(conn);
-        } else {
-            if p.rail_conns.len() < rail {
-                p.rail_conns.resize(rail, None);
-            }
-            p.rail_conns[rail - 1] = Some(conn);
-        }
-    }
+    lock(&inner.peers)
+        .entry(peer.to_string())
+        .or_default()
+        .set_conn(rail, conn);
     if rail == 0 {
         inner.spawn_receiver(peer.to_string(), conn);
     }
