@@ -36,9 +36,8 @@ fn scattered_blocks_round_trip_through_a_file() {
             .register((blocks * block) as usize, Visibility::All)
             .await
             .unwrap();
-        let data: Vec<u8> = (0..blocks * block)
-            .map(|i| (i % 251) as u8 ^ (i >> 14) as u8)
-            .collect();
+        let mut data = vec![0u8; (blocks * block) as usize];
+        rixl_testkit::fill(&mut data, 14);
         src.region().write_at(0, &data).unwrap();
         let f = a
             .register_file(FileSpec::new(

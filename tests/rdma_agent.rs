@@ -525,9 +525,8 @@ fn large_transfers_are_striped_over_two_rails_and_verified() {
     assert_eq!((a.rails(), b.rails()), (2, 2));
     let len = 32u64 << 20;
     let src = block_on(a.register(len as usize, Visibility::All)).expect("register");
-    let data: Vec<u8> = (0..len)
-        .map(|i| (i % 253) as u8 ^ (i >> 20) as u8)
-        .collect();
+    let mut data = vec![0u8; len as usize];
+    fill(&mut data, 20);
     src.region().write_at(0, &data).expect("fill");
     let addr = a.listen("127.0.0.1:0").expect("listen");
     let peer = b

@@ -291,7 +291,6 @@ struct OpenFile {
     probe: std::fs::File,
     path: PathBuf,
     size: u64,
-    alignment: u64,
 }
 
 /// One I/O: `len` bytes at `offset` of the file, which are stream bytes `stream..stream+len` of
@@ -461,8 +460,8 @@ impl Job {
                 self.count(|c| c.bytes_written += io.len);
             }
             Op::Read => {
-                let aligned =
-                    io.offset.is_multiple_of(f.alignment) && io.len.is_multiple_of(f.alignment);
+                let aligned = io.offset.is_multiple_of(f.dma.alignment())
+                    && io.len.is_multiple_of(f.dma.alignment());
                 let res = if aligned {
                     f.dma.read_at_aligned(io.offset, len).await
                 } else {
@@ -689,7 +688,6 @@ impl FileStore {
         self.files.borrow_mut().insert(
             id,
             Rc::new(OpenFile {
-                alignment: dma.alignment(),
                 dma,
                 probe,
                 path: path.into(),
@@ -765,13 +763,14 @@ impl FileStore {
         let ios = plan_ios(descs, self.cfg.max_io, &mut merged);
         if op == Op::Write {
             if let Some(io) = ios.iter().find(|io| {
-                !io.offset.is_multiple_of(file.alignment) || !io.len.is_multiple_of(file.alignment)
+                !io.offset.is_multiple_of(file.dma.alignment())
+                    || !io.len.is_multiple_of(file.dma.alignment())
             }) {
                 return Err(FileError::Unaligned {
                     index: io.first_desc,
                     offset: io.offset,
                     len: io.len,
-                    alignment: file.alignment,
+                    alignment: file.dma.alignment(),
                 }
                 .into());
             }

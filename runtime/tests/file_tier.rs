@@ -30,14 +30,10 @@ fn dir(name: &str) -> PathBuf {
     d
 }
 
-/// Deterministic bytes for position `i` of stream `seed`.
-fn byte(seed: u64, i: u64) -> u8 {
-    let x = (i ^ seed.rotate_left(17)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    (x >> 56) as u8
-}
-
+/// Fills a region with the test kit's pattern of `seed`.
 fn fill(r: &Region, seed: u64) {
-    let v: Vec<u8> = (0..r.len()).map(|i| byte(seed, i)).collect();
+    let mut v = vec![0u8; r.len() as usize];
+    rixl_testkit::fill(&mut v, seed);
     r.write_at(0, &v).unwrap();
 }
 
@@ -488,7 +484,7 @@ fn timeout_and_dropped_futures_keep_memory_alive_and_finish() {
             on_disk
                 .iter()
                 .enumerate()
-                .all(|(i, &b)| b == byte(6, i as u64)),
+                .all(|(i, &b)| b == rixl_testkit::pattern(6, i)),
             "the dropped transfer wrote every byte"
         );
     });

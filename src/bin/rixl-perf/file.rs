@@ -11,6 +11,7 @@ use rixl::runtime::{
     FileConfig, FileDesc, FileMode, FileSpec, FileStore, LocalDescList, Op, Region,
 };
 
+use super::stats::pct;
 use super::{on_core_with, s, Res};
 
 const USAGE: &str = "\
@@ -283,14 +284,6 @@ fn verify(a: &FileArgs) -> Res<()> {
         }
     }
     Ok(())
-}
-
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(f64::total_cmp);
-    if v.is_empty() {
-        return 0.0;
-    }
-    v[(((v.len() as f64) * p).ceil() as usize).clamp(1, v.len()) - 1]
 }
 
 pub fn main(argv: &[String]) -> Res<()> {

@@ -94,6 +94,20 @@ pub fn lat_line(r: &LatRow) -> String {
     )
 }
 
+/// Nearest-rank percentile `p` (0..=1) of ascending `sorted` samples; 0 when there are none.
+pub fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[(((sorted.len() as f64) * p).ceil() as usize).clamp(1, sorted.len()) - 1]
+}
+
+/// Sorts `v` and takes its percentile `p`.
+pub fn pct(v: &mut [f64], p: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    percentile(v, p)
+}
+
 /// Latency statistics of `samples`, each divided by `div` (2 for ping-pong one-way figures).
 pub fn lat_from(bytes: u64, samples: &[Duration], div: f64) -> LatRow {
     let mut us: Vec<f64> = samples
@@ -104,7 +118,7 @@ pub fn lat_from(bytes: u64, samples: &[Duration], div: f64) -> LatRow {
     let n = us.len().max(1) as f64;
     let avg = us.iter().sum::<f64>() / n;
     let var = us.iter().map(|x| (x - avg).powi(2)).sum::<f64>() / n;
-    let pct = |p: f64| us[(((us.len() as f64) * p).ceil() as usize).clamp(1, us.len()) - 1];
+    let pct = |p: f64| percentile(&us, p);
     LatRow {
         bytes,
         iters: us.len() as u64,

@@ -11,6 +11,7 @@ use rixl::runtime::{
     TransferOptions, DEFAULT_IO_MEMORY,
 };
 
+use super::stats::pct;
 use super::{on_core, s, Res};
 
 const USAGE: &str = "\
@@ -101,11 +102,6 @@ fn parse(argv: &[String]) -> Res<Sweep> {
         return Err("--max_block_size exceeds --total_buffer_size".into());
     }
     Ok(w)
-}
-
-fn pct(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[(((v.len() as f64) * p).ceil() as usize).clamp(1, v.len()) - 1]
 }
 
 pub fn main(argv: &[String]) -> Res<()> {
