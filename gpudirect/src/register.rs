@@ -1,10 +1,9 @@
 //! GPUDirect RDMA: GPU memory registered with a NIC, through dma-buf first and nvidia-peermem
 //! (`ibv_reg_mr` on the device pointer) as the fallback.
 
-use std::mem::ManuallyDrop;
 use std::os::fd::AsFd;
 
-use rixl_verbs::{AccessFlags, MemoryRegion, ProtectionDomain};
+use rixl_verbs::{AccessFlags, MemoryRegion, ProtectionDomain, Registered};
 
 use crate::memory::DeviceMemory;
 use crate::Error;
@@ -23,9 +22,7 @@ pub enum RegistrationKind {
 /// peers `addr()`/`rkey()` remotely. The region is deregistered before the memory is freed.
 #[derive(Debug)]
 pub struct GpuRegistration {
-    // Deregistered explicitly in `Drop`, before `mem` (a later field) is freed.
-    mr: ManuallyDrop<MemoryRegion>,
-    mem: DeviceMemory,
+    reg: Registered<DeviceMemory>,
     kind: RegistrationKind,
 }
 
@@ -41,8 +38,8 @@ impl GpuRegistration {
     ) -> Result<GpuRegistration, Error> {
         let dmabuf = match mem.export_dmabuf() {
             Ok(fd) => {
-                // SAFETY: `mem` is moved into the returned value and freed only after the region
-                // is deregistered (see `Drop`), so the exported memory outlives the registration.
+                // SAFETY: `mem` is moved into the returned value, whose `Registered` frees it only
+                // after the region is deregistered, so the exported memory outlives the registration.
                 match unsafe {
                     MemoryRegion::register_dmabuf(pd, fd.as_fd(), 0, mem.len(), mem.addr(), access)
                 } {
@@ -73,8 +70,9 @@ impl GpuRegistration {
             "GPU memory registered"
         );
         GpuRegistration {
-            mr: ManuallyDrop::new(mr),
-            mem,
+            // SAFETY: `mr` covers `mem`'s allocation, which `Registered` drops only after
+            // deregistering.
+            reg: unsafe { Registered::from_parts(mr, mem) },
             kind,
         }
     }
@@ -86,22 +84,22 @@ impl GpuRegistration {
 
     /// The memory.
     pub fn memory(&self) -> &DeviceMemory {
-        &self.mem
+        self.reg.memory()
     }
 
     /// The NIC registration.
     pub fn region(&self) -> &MemoryRegion {
-        &self.mr
+        self.reg.region()
     }
 
     /// Device address (the iova).
     pub fn addr(&self) -> u64 {
-        self.mem.addr()
+        self.reg.memory().addr()
     }
 
     /// Length.
     pub fn len(&self) -> usize {
-        self.mem.len()
+        self.reg.memory().len()
     }
 
     /// Whether it is empty (never).
@@ -111,25 +109,18 @@ impl GpuRegistration {
 
     /// Local key.
     pub fn lkey(&self) -> u32 {
-        self.mr.lkey()
+        self.reg.lkey()
     }
 
     /// Remote key.
     pub fn rkey(&self) -> u32 {
-        self.mr.rkey()
+        self.reg.rkey()
     }
 }
 
-// SAFETY: `Drop` deregisters the region before `mem` (a later field) frees the device memory.
+// SAFETY: forwards to `Registered`, which deregisters before the device memory is freed.
 unsafe impl rixl_verbs::OwnedRegistration for GpuRegistration {
     fn memory_region(&self) -> &MemoryRegion {
-        &self.mr
-    }
-}
-
-impl Drop for GpuRegistration {
-    fn drop(&mut self) {
-        // SAFETY: dropped exactly once, here; `mem` is freed after this returns (field drop).
-        unsafe { ManuallyDrop::drop(&mut self.mr) };
+        self.reg.region()
     }
 }

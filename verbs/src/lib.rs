@@ -31,7 +31,10 @@ pub use cq::CompletionQueue;
 pub use device::{Device, DeviceList};
 pub use error::{Error, Result};
 pub use host::{HostBuffer, BUFFER_ALIGN};
-pub use mr::{AccessFlags, MemoryRegion, OwnedRegistration, RegisteredBuffer, SharedRegistration};
+pub use mr::{
+    AccessFlags, HostMemory, MemoryRegion, OwnedRegistration, Registered, RegisteredBuffer,
+    SharedRegistration,
+};
 pub use pd::ProtectionDomain;
 pub use qp::{ConnectOptions, Endpoint, QueuePair, QueuePairCapabilities, QueuePairState};
 pub use wc::{WcOpcode, WcStatus, WorkCompletion};

@@ -258,13 +258,6 @@ pub unsafe trait OwnedRegistration {
     fn memory_region(&self) -> &MemoryRegion;
 }
 
-// SAFETY: `RegisteredBuffer`'s `Drop` deregisters before its memory is freed.
-unsafe impl OwnedRegistration for RegisteredBuffer {
-    fn memory_region(&self) -> &MemoryRegion {
-        &self.mr
-    }
-}
-
 // SAFETY: forwards to `T`, which upholds the contract.
 unsafe impl<T: OwnedRegistration + ?Sized> OwnedRegistration for &T {
     fn memory_region(&self) -> &MemoryRegion {
@@ -272,108 +265,42 @@ unsafe impl<T: OwnedRegistration + ?Sized> OwnedRegistration for &T {
     }
 }
 
+/// Memory `M` and its NIC registration, owned together: the region is deregistered before `M`
+/// is dropped, so the NIC never reaches freed memory. [`RegisteredBuffer`] (owned host memory),
+/// [`SharedRegistration`] (host memory shared by several NICs) and the GPU crate's registration
+/// are this type.
+pub struct Registered<M> {
+    // Deregistered explicitly in `Drop`, before `mem` (a later field) is dropped.
+    mr: ManuallyDrop<MemoryRegion>,
+    mem: M,
+}
+
+/// Page-aligned, zero-initialised heap memory registered with the NIC, owned by this value.
+/// Keep it alive while work requests that reference it are outstanding (the runtime's in-flight
+/// table does this).
+pub type RegisteredBuffer = Registered<HostBuffer>;
+
 /// Host memory shared by several registrations (one per NIC/protection domain: multi-rail).
-/// Each registration deregisters before it drops its handle on the memory, and the memory is
-/// freed with the last handle.
-pub struct SharedRegistration {
-    // Deregistered explicitly in `Drop`, before `mem` (a later field) is released.
-    mr: ManuallyDrop<MemoryRegion>,
-    mem: std::sync::Arc<HostBuffer>,
-}
+/// Each deregisters before it drops its handle on the memory, which is freed with the last one.
+pub type SharedRegistration = Registered<std::sync::Arc<HostBuffer>>;
 
-impl fmt::Debug for SharedRegistration {
+impl<M> fmt::Debug for Registered<M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SharedRegistration")
-            .field("mr", &self.mr)
-            .finish()
+        f.debug_struct("Registered").field("mr", &self.mr).finish()
     }
 }
 
-impl SharedRegistration {
-    /// Registers `mem` with `pd`.
+impl<M> Registered<M> {
+    /// Pairs a registration with the memory it covers.
     ///
-    /// # Errors
-    /// [`Error::RegisterMemory`] if registration fails.
-    pub fn register(
-        pd: &ProtectionDomain,
-        mem: std::sync::Arc<HostBuffer>,
-        access: AccessFlags,
-    ) -> Result<Self> {
-        // SAFETY: `mem` is kept alive by this value's `Arc` at least until the region is
-        // deregistered (see `Drop`).
-        let mr = unsafe { MemoryRegion::register_raw(pd, mem.as_ptr(), mem.len(), access) }?;
-        Ok(SharedRegistration {
+    /// # Safety
+    /// `mr` must cover memory that `mem` owns or keeps alive, so that dropping `mem` (which
+    /// happens after `mr` is deregistered) is the earliest the memory can be freed.
+    pub unsafe fn from_parts(mr: MemoryRegion, mem: M) -> Self {
+        Registered {
             mr: ManuallyDrop::new(mr),
             mem,
-        })
-    }
-
-    /// The registered memory.
-    pub fn memory(&self) -> &HostBuffer {
-        &self.mem
-    }
-
-    /// The registration.
-    pub fn region(&self) -> &MemoryRegion {
-        &self.mr
-    }
-}
-
-// SAFETY: `Drop` deregisters before the `Arc` on the memory is released.
-unsafe impl OwnedRegistration for SharedRegistration {
-    fn memory_region(&self) -> &MemoryRegion {
-        &self.mr
-    }
-}
-
-impl Drop for SharedRegistration {
-    fn drop(&mut self) {
-        // SAFETY: dropped exactly once, here; `mem` is released after this returns.
-        unsafe { ManuallyDrop::drop(&mut self.mr) };
-    }
-}
-
-/// Page-aligned, zero-initialised heap memory registered with the NIC, owned by this value: a
-/// [`HostBuffer`] and its [`MemoryRegion`].
-///
-/// The region is deregistered before the memory is freed. Keep the buffer alive while work
-/// requests that reference it are outstanding (the runtime's in-flight table does this).
-pub struct RegisteredBuffer {
-    // Deregistered explicitly in `Drop`, before `mem` (a later field) is freed.
-    mr: ManuallyDrop<MemoryRegion>,
-    mem: HostBuffer,
-}
-
-impl fmt::Debug for RegisteredBuffer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RegisteredBuffer")
-            .field("mr", &self.mr)
-            .finish()
-    }
-}
-
-impl RegisteredBuffer {
-    /// Allocates `len` zeroed bytes (page aligned) and registers them.
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for zero length, the failing verb's error variant if allocation or registration
-    /// fails.
-    pub fn new(pd: &ProtectionDomain, len: usize, access: AccessFlags) -> Result<Self> {
-        Self::register(pd, HostBuffer::new(len)?, access)
-    }
-
-    /// Registers memory this value will own.
-    ///
-    /// # Errors
-    /// [`Error::RegisterMemory`] if registration fails (the memory is then freed).
-    pub fn register(pd: &ProtectionDomain, mem: HostBuffer, access: AccessFlags) -> Result<Self> {
-        // SAFETY: `mem` is owned by the returned value and freed only after `mr` is deregistered
-        // (see `Drop`), so the allocation outlives the registration.
-        let mr = unsafe { MemoryRegion::register_raw(pd, mem.as_ptr(), mem.len(), access) }?;
-        Ok(RegisteredBuffer {
-            mr: ManuallyDrop::new(mr),
-            mem,
-        })
+        }
     }
 
     /// The memory region.
@@ -382,11 +309,11 @@ impl RegisteredBuffer {
     }
 
     /// The registered memory.
-    pub fn memory(&self) -> &HostBuffer {
+    pub fn memory(&self) -> &M {
         &self.mem
     }
 
-    /// Start address.
+    /// Start address (the iova).
     pub fn addr(&self) -> u64 {
         self.mr.addr()
     }
@@ -396,7 +323,7 @@ impl RegisteredBuffer {
         self.mr.len()
     }
 
-    /// Whether the buffer is empty (never).
+    /// Whether it is empty (never).
     pub fn is_empty(&self) -> bool {
         false
     }
@@ -410,16 +337,61 @@ impl RegisteredBuffer {
     pub fn rkey(&self) -> u32 {
         self.mr.rkey()
     }
+}
+
+impl<M> Drop for Registered<M> {
+    fn drop(&mut self) {
+        // SAFETY: `mr` is dropped exactly once, here, and never used again; `mem` is dropped
+        // after this returns (field drop), when the NIC can no longer address it.
+        unsafe { ManuallyDrop::drop(&mut self.mr) };
+    }
+}
+
+// SAFETY: `Drop` deregisters before `mem`, which owns or keeps alive the covered memory
+// (`from_parts`' contract), is dropped.
+unsafe impl<M> OwnedRegistration for Registered<M> {
+    fn memory_region(&self) -> &MemoryRegion {
+        &self.mr
+    }
+}
+
+/// Host memory a [`Registered`] can own or keep alive: a [`HostBuffer`], or an `Arc` of one
+/// shared by several NICs.
+pub trait HostMemory {
+    /// The buffer.
+    fn host(&self) -> &HostBuffer;
+}
+
+impl HostMemory for HostBuffer {
+    fn host(&self) -> &HostBuffer {
+        self
+    }
+}
+
+impl HostMemory for std::sync::Arc<HostBuffer> {
+    fn host(&self) -> &HostBuffer {
+        self
+    }
+}
+
+impl<M: HostMemory> Registered<M> {
+    /// Registers host memory this value will own or keep alive.
+    ///
+    /// # Errors
+    /// [`Error::RegisterMemory`] if registration fails.
+    pub fn register(pd: &ProtectionDomain, mem: M, access: AccessFlags) -> Result<Self> {
+        let (ptr, len) = (mem.host().as_ptr(), mem.host().len());
+        // SAFETY: `mem` owns or keeps alive the buffer and is dropped only after the region is
+        // deregistered (see `Drop`).
+        let mr = unsafe { MemoryRegion::register_raw(pd, ptr, len, access) }?;
+        // SAFETY: `mr` covers exactly the buffer `mem` keeps alive.
+        Ok(unsafe { Self::from_parts(mr, mem) })
+    }
 
     /// The contents. Do not rely on them while a transfer (or a peer with remote write access)
     /// may be writing the buffer.
     pub fn as_slice(&self) -> &[u8] {
-        self.mem.as_slice()
-    }
-
-    /// The contents, mutably. Do not write while a transfer may be reading the buffer.
-    pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        self.mem.as_mut_slice()
+        self.mem.host().as_slice()
     }
 
     /// See [`HostBuffer::write_at`].
@@ -427,7 +399,7 @@ impl RegisteredBuffer {
     /// # Errors
     /// [`Error::InvalidArgument`] if the range is outside the buffer.
     pub fn write_at(&self, offset: usize, src: &[u8]) -> Result<()> {
-        self.mem.write_at(offset, src)
+        self.mem.host().write_at(offset, src)
     }
 
     /// See [`HostBuffer::read_at`].
@@ -435,19 +407,27 @@ impl RegisteredBuffer {
     /// # Errors
     /// [`Error::InvalidArgument`] if the range is outside the buffer.
     pub fn read_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
-        self.mem.read_at(offset, dst)
+        self.mem.host().read_at(offset, dst)
     }
 
     /// Raw pointer to the start.
     pub fn as_ptr(&self) -> *mut u8 {
-        self.mem.as_ptr()
+        self.mem.host().as_ptr()
     }
 }
 
-impl Drop for RegisteredBuffer {
-    fn drop(&mut self) {
-        // SAFETY: `mr` is dropped exactly once, here, and never used again; `mem` is freed after
-        // this returns (field drop), when the NIC can no longer address it.
-        unsafe { ManuallyDrop::drop(&mut self.mr) };
+impl RegisteredBuffer {
+    /// Allocates `len` zeroed bytes (page aligned) and registers them.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for zero length, the failing verb's error variant if allocation or registration
+    /// fails.
+    pub fn new(pd: &ProtectionDomain, len: usize, access: AccessFlags) -> Result<Self> {
+        Self::register(pd, HostBuffer::new(len)?, access)
+    }
+
+    /// The contents, mutably. Do not write while a transfer may be reading the buffer.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        self.mem.as_mut_slice()
     }
 }
