@@ -333,7 +333,7 @@ impl Engine {
     /// Serves a [`EngineHandle`]: returns the handle and the task future to spawn on this
     /// engine's executor (it ends on shutdown or when every handle is dropped).
     pub fn handle(&self) -> (EngineHandle, impl std::future::Future<Output = ()>) {
-        serve_core(Some(self.clone()), self.id())
+        serve_core(Some(self.clone()), self.id(), self.config().clone())
     }
 }
 
@@ -341,6 +341,7 @@ impl Engine {
 fn serve_core(
     engine: Option<Engine>,
     id: u64,
+    cfg: EngineConfig,
 ) -> (EngineHandle, impl std::future::Future<Output = ()>) {
     let (tx, rx) = mpsc::unbounded();
     let handle = EngineHandle {
@@ -348,7 +349,7 @@ fn serve_core(
         id,
         nic: engine.is_some(),
     };
-    (handle, serve(engine, id, rx))
+    (handle, serve(engine, id, cfg, rx))
 }
 
 async fn run_device_copies(
@@ -378,10 +379,14 @@ fn no_nic<T>(r: Reply<Result<T, RuntimeError>>) {
     let _ = r.send(Err(RuntimeError::NoNic));
 }
 
-async fn serve(engine: Option<Engine>, id: u64, mut rx: mpsc::UnboundedReceiver<Command>) {
-    let cfg = engine
-        .as_ref()
-        .map_or_else(EngineConfig::default, |e| e.config().clone());
+/// `cfg` is the core's configuration (the engine's, or the one given to a core without a NIC):
+/// the FILE tier's depth and I/O size and the default deadline come from it.
+async fn serve(
+    engine: Option<Engine>,
+    id: u64,
+    cfg: EngineConfig,
+    mut rx: mpsc::UnboundedReceiver<Command>,
+) {
     let files = Rc::new(FileStore::new(cfg.file));
     while let Some(cmd) = rx.next().await {
         let e = engine.clone();
@@ -573,6 +578,7 @@ impl EnginePool {
                 .io_memory(io_memory)
                 .spawn(move || async move {
                     let require = cfg.require_nic;
+                    let core_cfg = cfg.clone();
                     match Engine::open(cfg).await {
                         Ok(engine) => {
                             let (handle, serve) = engine.handle();
@@ -585,7 +591,7 @@ impl EnginePool {
                                     || matches!(e, rixl_verbs::Error::GetDeviceList(_))) =>
                         {
                             tracing::info!(cpu, error = %e, "no RDMA device: host memory and files only");
-                            let (handle, serve) = serve_core(None, next_engine_id());
+                            let (handle, serve) = serve_core(None, next_engine_id(), core_cfg);
                             let _ = ready_tx.send(Ok(handle));
                             serve.await;
                         }

@@ -596,3 +596,35 @@ fn full_file_system_is_typed_and_corrupts_nothing() {
     });
     pool.shutdown();
 }
+
+#[test]
+fn a_core_without_a_nic_uses_the_file_settings_it_was_given() {
+    let mut cfg = EngineConfig::from_env();
+    cfg.require_nic = false;
+    cfg.file.max_io = 64 << 10;
+    let pool = EnginePool::start(&cfg, &[0], IO_MEMORY).expect("engine starts");
+    let h = pool.handles()[0].clone();
+    let d = dir("settings");
+    block_on(async {
+        let f = h
+            .open_file(FileSpec::new(d.join("s.bin"), 1 << 20, FileMode::Create))
+            .await
+            .unwrap();
+        let src = h.register(1 << 20).await.unwrap();
+        let st = h
+            .file_transfer(
+                f.id,
+                Op::Write,
+                list(&src, &[(0, 1 << 20)]),
+                vec![FileDesc::new(0, 1 << 20)],
+                None,
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            st.work_requests, 16,
+            "1 MiB in I/Os of the configured 64 KiB"
+        );
+    });
+    pool.shutdown();
+}
