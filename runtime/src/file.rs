@@ -730,7 +730,7 @@ impl FileStore {
         &self,
         id: FileId,
         op: Op,
-        local: &LocalDescList,
+        local: LocalDescList,
         descs: &[FileDesc],
         timeout: Duration,
     ) -> Result<crate::TransferStats, TransferError> {
@@ -748,7 +748,7 @@ impl FileStore {
             bytes = tracing::field::Empty
         );
         let _e = span.enter();
-        let starts = validate_local(local)?;
+        let starts = validate_local(&local)?;
         let file_total = validate_file(descs, file.size)?;
         let local_total = local.total_len();
         if local_total != file_total {
@@ -792,11 +792,12 @@ impl FileStore {
         let prepare = t0.elapsed();
         let workers = self.cfg.queue_depth.min(ios.len());
         let n_ios = ios.len();
+        let n_descs = local.len();
         let (tx, rx) = oneshot::channel();
         let job = Rc::new(Job {
             file,
             op,
-            local: local.clone(),
+            local,
             starts,
             ios,
             next: Cell::new(0),
@@ -817,7 +818,7 @@ impl FileStore {
         match futures_lite::future::or(finished, expired).await {
             Some(Ok(None)) => Ok(crate::TransferStats {
                 bytes: file_total,
-                descriptors: local.len(),
+                descriptors: n_descs,
                 work_requests: n_ios,
                 prepare,
                 total: t0.elapsed(),

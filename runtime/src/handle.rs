@@ -504,7 +504,7 @@ async fn serve(
                 let f = Rc::clone(&files);
                 let timeout = timeout.unwrap_or(cfg.transfer_timeout);
                 glommio::spawn_local(async move {
-                    let _ = reply.send(f.transfer(file, op, &local, &descs, timeout).await);
+                    let _ = reply.send(f.transfer(file, op, local, &descs, timeout).await);
                 })
                 .detach();
             }

@@ -211,7 +211,7 @@ async fn run(a: FileArgs) -> Res<FileResult> {
                 }
                 let t = Instant::now();
                 match store
-                    .transfer(id, op, &local, &descs, Duration::from_secs(60))
+                    .transfer(id, op, local, &descs, Duration::from_secs(60))
                     .await
                 {
                     Ok(_) => st.lat.borrow_mut().push(t.elapsed()),
@@ -260,7 +260,7 @@ async fn lay_out(
             .transfer(
                 id,
                 Op::Write,
-                &local,
+                local,
                 &[FileDesc::new(b * bs, n * bs)],
                 Duration::from_secs(600),
             )
