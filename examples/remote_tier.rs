@@ -103,7 +103,16 @@ fn main() -> Result<(), BoxError> {
     let mut cfg = AgentConfig::default();
     cfg.cpu = 0;
     let reader = Agent::new("reader", cfg)?;
-    let mut inbox = reader.notifications().ok_or("notifications taken")?;
+    // One thread forwards the reader's notifications, so each wait can have a deadline.
+    let mut notifications = reader.notifications().ok_or("notifications taken")?;
+    let (inbox_tx, inbox) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        while let Some(n) = block_on(notifications.next()) {
+            if inbox_tx.send(n).is_err() {
+                return;
+            }
+        }
+    });
     let peer = reader.fetch_remote_metadata(&addr.to_string())?;
     let dst = block_on(reader.register((per * bs) as usize, Visibility::Only(vec![])))?;
     let mut x = 0x2545_f491_4f6c_dd1du64;
@@ -124,14 +133,9 @@ fn main() -> Result<(), BoxError> {
             ids.iter().map(u64::to_string).collect::<Vec<_>>().join(" ")
         );
         block_on(reader.notify(&peer, msg.as_bytes()))?;
-        let (_, reply) = block_on(async {
-            futures_lite::future::or(async { inbox.next().await }, async {
-                thread_sleep(Duration::from_secs(30)).await;
-                None
-            })
-            .await
-        })
-        .ok_or("no answer from the storage agent within 30 s")?;
+        let (_, reply) = inbox
+            .recv_timeout(Duration::from_secs(30))
+            .map_err(|_| "no answer from the storage agent within 30 s")?;
         let reply = String::from_utf8_lossy(&reply).to_string();
         let slots = parse_nums(
             reply
@@ -173,14 +177,4 @@ fn main() -> Result<(), BoxError> {
     storage.shutdown();
     let _ = std::fs::remove_file(&path);
     Ok(())
-}
-
-/// A sleep that needs no executor (the caller blocks on it on a plain thread).
-async fn thread_sleep(d: Duration) {
-    let (tx, rx) = futures_channel::oneshot::channel::<()>();
-    std::thread::spawn(move || {
-        std::thread::sleep(d);
-        let _ = tx.send(());
-    });
-    let _ = rx.await;
 }
