@@ -65,6 +65,22 @@ def measure(tool, test, size, iters, post_list, rixl):
     return {"t_typical": row[3], "t_avg": row[4], "p99": row[6]}
 
 
+def perftest_op_time(size, iters):
+    """Raw verbs time per completed WRITE: ib_write_bw with one request outstanding (-t 1) posts,
+    then polls until its completion, like one `.await`; 1 / MsgRate in microseconds."""
+    s, c = tool_cmds("perftest", "write_bw", size, iters, 1, None)
+    s, c = s + ["-t", "1"], c[:-1] + ["-t", "1", c[-1]]
+    row = parse_row(run_pair(s, c), size)
+    return 1.0 / row[3]
+
+
+def rixl_lat_imm(rixl, size, iters):
+    """rixl's write_lat with WRITE_WITH_IMM and a receive completion as the arrival signal."""
+    s, c = tool_cmds("rixl", "write_lat", size, iters, 1, rixl)
+    s, c = s + ["--notify", "imm"], c[:-1] + ["--notify", "imm", c[-1]]
+    return parse_row(run_pair(s, c), size)[3]
+
+
 def await_latency(rixl, size, iters):
     s, c = tool_cmds("rixl", "write_lat", size, iters, 1, rixl)
     out = run_pair(s, c)
@@ -172,25 +188,39 @@ def main():
         unit = "MiB/s" if test.endswith("_bw") else "us"
         print(f"{test:9} {size:>8} B  -l {pl:<2} n={iters:<5}  perftest {r['perftest']:9.2f}  rixl {r['rixl']:9.2f} {unit:5}  rixl/perftest {r['ratio']:.2f}   (rounds: perftest {r['perftest_all']}, rixl {r['rixl_all']})", flush=True)
     awaits = []
+    extra = []
     for size in lat_sizes:
-        vals = [await_latency(a.rixl, size, 300 if a.quick else 1000) for _ in range(a.rounds)]
+        n = 300 if a.quick else 1000
+        vals, ops, imms = [], [], []
+        for _ in range(a.rounds):
+            vals.append(await_latency(a.rixl, size, n))
+            ops.append(perftest_op_time(size, 2 * n))
+            imms.append(rixl_lat_imm(a.rixl, size, n))
+        v, op, imm = statistics.median(vals), statistics.median(ops), statistics.median(imms)
         pt = next(r for r in rows if r["test"] == "write_lat" and r["size"] == size)["perftest"]
-        awaits.append((size, statistics.median(vals), pt))
-        print(f"one .await of a {size} B WRITE: t_typical {statistics.median(vals):.2f} us = {statistics.median(vals)/pt:.2f} x ib_write_lat one-way t_typical ({pt:.2f} us)", flush=True)
+        awaits.append((size, v, pt))
+        extra.append((size, v, op, imm, pt))
+        print(f"one .await of a {size} B WRITE: t_typical {v:.2f} us = {v/pt:.2f} x ib_write_lat one-way t_typical ({pt:.2f} us); "
+              f"raw verbs post+completion (ib_write_bw -t 1): {op:.2f} us/op, so the .await is {v/op:.2f} x that", flush=True)
+        print(f"write_lat {size} B with WRITE_WITH_IMM arrival (--notify imm): {imm:.2f} us = {imm/pt:.2f} x ib_write_lat", flush=True)
     with open(os.path.join(a.out, "compare.csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["test", "size", "iterations", "post_list", "metric", "perftest", "rixl", "rixl_over_perftest", "perftest_mpps", "rixl_mpps"])
         for r in rows:
             w.writerow([r["test"], r["size"], r["iters"], r["post_list"], r["metric"], f"{r['perftest']:.3f}", f"{r['rixl']:.3f}", f"{r['ratio']:.3f}", r.get("perftest_mpps", ""), r.get("rixl_mpps", "")])
-        for size, v, pt in awaits:
+        for size, v, op, imm, pt in extra:
             w.writerow(["await_write", size, "", 1, "t_typical_over_write_lat_oneway", f"{pt:.3f}", f"{v:.3f}", f"{v/pt:.3f}", "", ""])
+            w.writerow(["await_write_vs_verbs_op", size, "", 1, "t_typical_over_ib_write_bw_t1_per_op", f"{op:.3f}", f"{v:.3f}", f"{v/op:.3f}", "", ""])
+            w.writerow(["write_lat_imm", size, "", 1, "t_typical", f"{pt:.3f}", f"{imm:.3f}", f"{imm/pt:.3f}", "", ""])
     with open(os.path.join(a.out, "compare.md"), "w") as f:
         f.write("| test | size (B) | -l | perftest | rixl | rixl/perftest |\n|---|---|---|---|---|---|\n")
         for r in rows:
             unit = "MiB/s" if r["test"].endswith("_bw") else "µs t_typical"
             f.write(f"| {r['test']} | {r['size']} | {r['post_list']} | {r['perftest']:.2f} {unit} | {r['rixl']:.2f} {unit} | {r['ratio']:.2f} |\n")
-        for size, v, pt in awaits:
+        for size, v, op, imm, pt in extra:
             f.write(f"| one `.await` WRITE | {size} | 1 | {pt:.2f} µs (ib_write_lat one-way) | {v:.2f} µs | {v/pt:.2f}x |\n")
+            f.write(f"| one `.await` WRITE vs raw verbs post+completion | {size} | 1 | {op:.2f} µs (ib_write_bw -t 1, per op) | {v:.2f} µs | {v/op:.2f}x |\n")
+            f.write(f"| write_lat, rixl arrival by WRITE_WITH_IMM | {size} | 1 | {pt:.2f} µs | {imm:.2f} µs | {imm/pt:.2f} |\n")
     svg_plot(rows, os.path.join(a.out, "bandwidth.svg"))
     print(f"wrote {a.out}/compare.csv, compare.md, bandwidth.svg")
 

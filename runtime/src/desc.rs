@@ -81,7 +81,7 @@ impl Region {
         ))
     }
 
-    fn host_memory(&self) -> Option<&HostBuffer> {
+    pub(crate) fn host_memory(&self) -> Option<&HostBuffer> {
         match &self.inner.mem {
             Memory::Nic(b) => Some(b.memory()),
             Memory::Host(b) => Some(b),

@@ -56,6 +56,17 @@ pub enum InvalidDescriptor {
         /// Position in the list.
         index: usize,
     },
+    /// An offset is not a multiple of what the access needs (an 8-byte flag: 8).
+    #[error("offset {offset} is not a multiple of {align}")]
+    Misaligned {
+        /// The offset.
+        offset: u64,
+        /// The alignment needed.
+        align: u64,
+    },
+    /// The operation needs host memory the CPU can read, and the region is GPU memory.
+    #[error("the region is GPU memory; this needs host memory")]
+    NotHostMemory,
     /// A local region is host memory not registered with a NIC (a core without one).
     #[error("local descriptor {index} uses host memory that is not registered with a NIC")]
     NotRegistered {

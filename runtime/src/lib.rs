@@ -5,6 +5,7 @@ pub mod credits;
 pub mod desc;
 pub mod error;
 pub mod file;
+pub mod flag;
 pub mod gpu;
 pub mod inflight;
 pub mod join;
@@ -15,6 +16,7 @@ pub use error::{InvalidDescriptor, RuntimeError, TransferError};
 pub use file::{
     FileConfig, FileCounters, FileDesc, FileError, FileId, FileInfo, FileMode, FileSpec, FileStore,
 };
+pub use flag::{wait_flag, Flag};
 pub mod engine;
 
 pub use engine::{

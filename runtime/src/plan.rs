@@ -164,14 +164,33 @@ pub fn plan(
     remote: &[RemoteDesc],
     limits: Limits,
 ) -> Result<Plan, InvalidDescriptor> {
+    let mut out = Plan::default();
+    plan_into(&mut out, regions, local, remote, limits)?;
+    Ok(out)
+}
+
+/// [`plan`] into `out`, reusing its allocations (an engine keeps a few plans for this). On error
+/// `out` is left cleared.
+///
+/// # Errors
+/// As [`plan`].
+pub fn plan_into(
+    out: &mut Plan,
+    regions: &[RegionInfo],
+    local: &[LocalDesc],
+    remote: &[RemoteDesc],
+    limits: Limits,
+) -> Result<(), InvalidDescriptor> {
+    out.wrs.clear();
+    out.sges.clear();
+    out.bytes = 0;
     let total = validate(regions, local, remote)?;
     let max_sge = limits.max_sge.max(1);
     let max_msg = limits.max_msg.clamp(1, u64::from(u32::MAX));
-    let mut out = Plan {
-        wrs: Vec::with_capacity(remote.len().max(local.len() / max_sge as usize + 1)),
-        sges: Vec::with_capacity(local.len().max(remote.len())),
-        bytes: total,
-    };
+    out.wrs
+        .reserve(remote.len().max(local.len() / max_sge as usize + 1));
+    out.sges.reserve(local.len().max(remote.len()));
+    out.bytes = total;
     let (mut li, mut lused) = (0usize, 0u64);
     let (mut ri, mut rused) = (0usize, 0u64);
     let mut open: Option<PlannedWr> = None;
@@ -232,7 +251,7 @@ pub fn plan(
         }
     }
     out.wrs.extend(open);
-    Ok(out)
+    Ok(())
 }
 
 #[cfg(test)]

@@ -227,47 +227,70 @@ fn one_block_writes(
 
 #[test]
 fn concurrent_small_transfers_share_doorbells_and_completions() {
-    let mut cfg = config();
-    cfg.coalesce = true;
-    let Some((pool, h, mut peer, conn)) = connected_pool(
+    if require_or_skip(
         "concurrent_small_transfers_share_doorbells_and_completions",
-        &cfg,
-    ) else {
+        || rixl_verbs::DeviceList::new().and_then(|l| l.find(None).map(|_| ())),
+    )
+    .is_none()
+    {
         return;
-    };
-    let region = block_on(h.register(REGION)).expect("register");
-    let n = 2000u64;
+    }
     let mut data = vec![0u8; REGION];
     fill(&mut data, 77);
-    region.write_at(0, &data).expect("fill");
-    let (before, _) = block_on(h.counters()).expect("counters");
-    // One descriptor per future, all submitted at once, like a decode step's block writes.
-    for r in one_block_writes(&h, conn, &region, &peer, n) {
-        assert_eq!(r.expect("write").bytes, BLOCK);
-    }
-    let (after, inflight) = block_on(h.counters()).expect("counters");
-    assert_eq!(inflight, 0);
-    let want = region_sum(&region, n, local_slot);
-    let got: u64 = peer.cmd(&format!("sum {n}")).parse().expect("sum");
-    assert_eq!(got, want, "every block landed");
-    let doorbells = after.doorbells - before.doorbells;
-    let completions = after.completions - before.completions;
-    report(&format!(
-        "{n} concurrent 1-descriptor WRITEs: {doorbells} doorbells, {completions} completions"
-    ));
-    assert_eq!(after.work_requests - before.work_requests, n);
-    assert!(doorbells * 2 <= n, "doorbells were shared: {doorbells}");
-    assert!(completions * 2 <= n, "signals were shared: {completions}");
-    // The same with coalescing off: one doorbell and one completion per transfer.
-    peer.finish();
-    pool.shutdown();
+    let data = std::sync::Arc::new(data);
+    let d2 = std::sync::Arc::clone(&data);
+    // One descriptor per future, all started by tasks of the engine's core in one tick, like a
+    // decode step's block writes.
+    on_executor(move || {
+        Box::pin(async move {
+            let mut cfg = config();
+            cfg.coalesce = true;
+            let engine = Engine::open(cfg).await.expect("engine");
+            let mut peer = Peer::spawn("target");
+            let conn = connect_local(&engine, &mut peer).await;
+            let region = engine.register(REGION).await.expect("register");
+            region.write_at(0, &d2).expect("fill");
+            let n = 2000u64;
+            let before = engine.counters();
+            let tasks: Vec<_> = (0..n)
+                .map(|i| {
+                    let (e, region) = (engine.clone(), region.clone());
+                    let r = RemoteDescList(vec![peer.remote(remote_slot(i) * SLOT, BLOCK)]);
+                    glommio::spawn_local(async move {
+                        let mut l = LocalDescList::new();
+                        l.push(&region, local_slot(i) * SLOT, BLOCK);
+                        e.write(conn, &l, &r).await
+                    })
+                })
+                .collect();
+            for t in tasks {
+                assert_eq!(t.await.expect("write").bytes, BLOCK);
+            }
+            let after = engine.counters();
+            assert_eq!(engine.inflight(), 0);
+            let want = region_sum(&region, n, local_slot);
+            let got: u64 = peer.cmd(&format!("sum {n}")).parse().expect("sum");
+            assert_eq!(got, want, "every block landed");
+            let doorbells = after.doorbells - before.doorbells;
+            let completions = after.completions - before.completions;
+            report(&format!(
+                "{n} concurrent 1-descriptor WRITEs: {doorbells} doorbells, {completions} completions"
+            ));
+            assert_eq!(after.work_requests - before.work_requests, n);
+            assert!(doorbells * 2 <= n, "doorbells were shared: {doorbells}");
+            assert!(completions * 2 <= n, "signals were shared: {completions}");
+            peer.finish();
+            engine.shutdown().await;
+        })
+    });
+    // The same with coalescing off (through a handle): one doorbell per transfer.
     let mut off = config();
     off.coalesce = false;
     let Some((pool, h, mut peer, conn)) = connected_pool("coalescing off", &off) else {
         return;
     };
     let region = block_on(h.register(REGION)).expect("register");
-    region.write_at(0, &data).expect("fill");
+    region.write_at(0, &data[..]).expect("fill");
     for r in one_block_writes(&h, conn, &region, &peer, 200) {
         r.expect("write");
     }
@@ -710,6 +733,169 @@ fn event_mode_engines_complete_transfers_without_spinning() {
     report(&format!("event mode counters: {c:?}"));
     peer.finish();
     pool.shutdown();
+}
+
+/// Two engines of this process on the same device, connected to each other.
+async fn engine_pair(cfg: &EngineConfig) -> (Engine, Engine, ConnId, ConnId) {
+    let a = Engine::open(cfg.clone()).await.expect("engine a");
+    let b = Engine::open(cfg.clone()).await.expect("engine b");
+    let (ca, ea) = a.prepare_connection().await.expect("prepare a");
+    let (cb, eb) = b.prepare_connection().await.expect("prepare b");
+    a.complete_connection(ca, eb).await.expect("complete a");
+    b.complete_connection(cb, ea).await.expect("complete b");
+    (a, b, ca, cb)
+}
+
+#[test]
+fn flags_written_by_rdma_signal_arrival_and_small_inline_writes_land_intact() {
+    if require_or_skip(
+        "flags_written_by_rdma_signal_arrival_and_small_inline_writes_land_intact",
+        || rixl_verbs::DeviceList::new().and_then(|l| l.find(None).map(|_| ())),
+    )
+    .is_none()
+    {
+        return;
+    }
+    on_executor(|| {
+        Box::pin(async {
+            let cfg = config();
+            assert_eq!(cfg.max_inline, 220, "inline writes are on by default");
+            let (a, b, ca, cb) = engine_pair(&cfg).await;
+            let (ra, rb) = (
+                a.register(1 << 20).await.expect("register a"),
+                b.register(1 << 20).await.expect("register b"),
+            );
+            let mut data = vec![0u8; 1 << 20];
+            fill(&mut data, 31);
+            ra.write_at(0, &data).expect("fill");
+
+            // Small WRITEs (inline up to 220 bytes, then not) land byte for byte.
+            let sizes = [1u64, 2, 63, 64, 200, 220, 221, 4096];
+            let mut off = 0u64;
+            for &n in &sizes {
+                let mut l = LocalDescList::new();
+                l.push(&ra, off, n);
+                let r = RemoteDescList(vec![rb.remote(off + 7, n)]);
+                a.write(ca, &l, &r).await.expect("small write");
+                let mut got = vec![0u8; n as usize];
+                rb.read_at(off + 7, &mut got).expect("read");
+                assert_eq!(got, &data[off as usize..(off + n) as usize], "{n} bytes");
+                off += 8192;
+            }
+
+            // Data then a flag word, one WRITE each on one connection: once the flag is seen,
+            // the data is there.
+            let flag_at = (1 << 20) - 8;
+            for round in 1..=20u64 {
+                let len = 64 << 10;
+                let base = round * 4096;
+                let mut l = LocalDescList::new();
+                l.push(&ra, base, len);
+                ra.write_at(flag_at, &round.to_ne_bytes()).expect("flag");
+                let mut f = LocalDescList::new();
+                f.push(&ra, flag_at, 8);
+                let (rd, rf) = (
+                    RemoteDescList(vec![rb.remote(0, len)]),
+                    RemoteDescList(vec![rb.remote(flag_at, 8)]),
+                );
+                let (w1, w2) = (a.write(ca, &l, &rd), a.write(ca, &f, &rf));
+                let waiter = rixl_runtime::wait_flag(
+                    &rb,
+                    flag_at,
+                    rixl_runtime::Flag::Word(round),
+                    Duration::from_secs(10),
+                );
+                let ((r1, r2), seen) =
+                    futures_lite::future::zip(futures_lite::future::zip(w1, w2), waiter).await;
+                r1.expect("data write");
+                r2.expect("flag write");
+                seen.expect("flag seen");
+                let mut got = vec![0u8; len as usize];
+                rb.read_at(0, &mut got).expect("read");
+                assert_eq!(
+                    got,
+                    &data[base as usize..(base + len) as usize],
+                    "round {round}"
+                );
+            }
+
+            // Ping-pong on flag bytes, as rixl-perf write_lat runs it, each side in its own task.
+            const ROUNDS: u64 = 200;
+            let back = ra.remote(300, 1);
+            let pong = {
+                let (b, rb) = (b.clone(), rb.clone());
+                glommio::spawn_local(async move {
+                    let mut l = LocalDescList::new();
+                    l.push(&rb, 100, 1);
+                    for i in 0..ROUNDS {
+                        let v = (i % 255) as u8 + 1;
+                        rixl_runtime::wait_flag(
+                            &rb,
+                            200,
+                            rixl_runtime::Flag::Byte(v),
+                            Duration::from_secs(10),
+                        )
+                        .await
+                        .expect("ping");
+                        rb.write_at(100, &[v]).expect("pong byte");
+                        b.write(cb, &l, &RemoteDescList(vec![back]))
+                            .await
+                            .expect("pong");
+                    }
+                })
+            };
+            let mut l = LocalDescList::new();
+            l.push(&ra, 100, 1);
+            let t0 = Instant::now();
+            for i in 0..ROUNDS {
+                let v = (i % 255) as u8 + 1;
+                ra.write_at(100, &[v]).expect("ping byte");
+                a.write(ca, &l, &RemoteDescList(vec![rb.remote(200, 1)]))
+                    .await
+                    .expect("ping");
+                rixl_runtime::wait_flag(
+                    &ra,
+                    300,
+                    rixl_runtime::Flag::Byte(v),
+                    Duration::from_secs(10),
+                )
+                .await
+                .expect("pong");
+            }
+            pong.await;
+            report(&format!(
+                "{ROUNDS} flag ping-pong rounds in {:?}",
+                t0.elapsed()
+            ));
+
+            // A flag that never comes is a timeout, not a hang; bad offsets are typed.
+            let t = Instant::now();
+            let r = rixl_runtime::wait_flag(
+                &ra,
+                8,
+                rixl_runtime::Flag::Word(u64::MAX),
+                Duration::from_millis(50),
+            )
+            .await;
+            assert_eq!(r, Err(TransferError::Timeout(Duration::from_millis(50))));
+            assert!(t.elapsed() < Duration::from_secs(5));
+            let r = rixl_runtime::wait_flag(
+                &ra,
+                12,
+                rixl_runtime::Flag::Word(0),
+                Duration::from_secs(1),
+            )
+            .await;
+            assert!(matches!(
+                r,
+                Err(TransferError::InvalidDescriptor(
+                    InvalidDescriptor::Misaligned { .. }
+                ))
+            ));
+            a.shutdown().await;
+            b.shutdown().await;
+        })
+    });
 }
 
 /// The peer: one engine, a 64 MiB region, and a command loop.

@@ -4,6 +4,7 @@
 use std::alloc::{self, Layout};
 use std::fmt;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 
 use crate::error::{Error, Result};
 
@@ -112,6 +113,40 @@ impl HostBuffer {
         Ok(())
     }
 
+    /// Reads the byte at `offset` with an acquire load: a flag a peer's RDMA WRITE sets. Once it
+    /// reads the flag's new value, bytes the same peer wrote earlier on the same RC connection are
+    /// visible too (RC places WRITEs in order; perftest's `write_lat` relies on the same).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `offset` is outside the buffer.
+    pub fn load_u8(&self, offset: usize) -> Result<u8> {
+        self.check_range(offset, 1)?;
+        // SAFETY: the byte is inside the live allocation (checked) and `AtomicU8` has the layout
+        // of `u8`; no `&mut` to the buffer can exist while `&self` is borrowed, and other writers
+        // (the NIC, `write_at`) are outside the Rust memory model's view, as for any DMA memory.
+        let flag = unsafe { AtomicU8::from_ptr(self.ptr.as_ptr().add(offset)) };
+        Ok(flag.load(Ordering::Acquire))
+    }
+
+    /// Reads the 8-byte word at `offset` (a multiple of 8) with an acquire load; see
+    /// [`Self::load_u8`]. A word written by one RDMA WRITE is never seen half old, half new.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `offset` is not 8-aligned or the word is outside the buffer.
+    pub fn load_u64(&self, offset: usize) -> Result<u64> {
+        self.check_range(offset, 8)?;
+        if !offset.is_multiple_of(8) {
+            return Err(Error::InvalidArgument(format!(
+                "offset {offset} of an 8-byte flag is not a multiple of 8"
+            )));
+        }
+        // SAFETY: the word is inside the live allocation (checked) and 8-aligned (the buffer is
+        // page-aligned and `offset` a multiple of 8), as `AtomicU64` requires; aliasing as in
+        // `load_u8`.
+        let word = unsafe { AtomicU64::from_ptr(self.ptr.as_ptr().add(offset).cast::<u64>()) };
+        Ok(word.load(Ordering::Acquire))
+    }
+
     fn check_range(&self, offset: usize, len: usize) -> Result<()> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len() => Ok(()),
@@ -158,5 +193,18 @@ mod tests {
             Err(Error::InvalidArgument(_))
         ));
         assert!(matches!(HostBuffer::new(0), Err(Error::InvalidArgument(_))));
+    }
+
+    #[test]
+    fn flag_loads_see_written_values_and_check_range_and_alignment() {
+        let b = HostBuffer::new(4096).unwrap();
+        b.write_at(4095, &[7]).unwrap();
+        assert_eq!(b.load_u8(4095).unwrap(), 7);
+        b.write_at(16, &0x0102_0304_0506_0708u64.to_ne_bytes())
+            .unwrap();
+        assert_eq!(b.load_u64(16).unwrap(), 0x0102_0304_0506_0708);
+        assert!(matches!(b.load_u8(4096), Err(Error::InvalidArgument(_))));
+        assert!(matches!(b.load_u64(4092), Err(Error::InvalidArgument(_))));
+        assert!(matches!(b.load_u64(4), Err(Error::InvalidArgument(_))));
     }
 }

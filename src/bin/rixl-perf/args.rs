@@ -47,6 +47,24 @@ impl Test {
     }
 }
 
+/// How the write_lat ping-pong learns that the peer's WRITE has landed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Notify {
+    /// Spin on the last byte of the landing area (`rixl::runtime::wait_flag`), as perftest does.
+    Flag,
+    /// WRITE_WITH_IMM: a receive completion at the target (`Engine::recv`).
+    Imm,
+}
+
+impl Notify {
+    pub fn name(self) -> &'static str {
+        match self {
+            Notify::Flag => "flag",
+            Notify::Imm => "imm",
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Args {
     pub test: Test,
@@ -66,6 +84,8 @@ pub struct Args {
     pub poll_mode: PollMode,
     /// Coalesce small transfers' doorbells and signals (`--coalesce`; off by default).
     pub coalesce: bool,
+    /// How write_lat detects arrival: a flag byte in memory (perftest's way) or WRITE_WITH_IMM.
+    pub notify: Notify,
     pub engines: u32,
     pub cpu: Option<usize>,
 }
@@ -92,6 +112,8 @@ usage: rixl-perf TEST [options] [server-host]
   rixl options:
         --poll-mode busy|event   engine completion mode (default busy)
         --coalesce               share doorbells and signaled completions among small transfers
+        --notify flag|imm        write_lat arrival: a flag byte in memory, as perftest (default),
+                                 or WRITE_WITH_IMM and a receive completion
         --engines <n>            engines (cores) on the client for bw tests (default 1)
         --cpu <n>                first CPU to pin engines to (default: client 0, server the last)";
 
@@ -128,6 +150,7 @@ pub fn parse(argv: &[String]) -> Result<Args, String> {
         out_json: None,
         poll_mode: PollMode::Busy,
         coalesce: false,
+        notify: Notify::Flag,
         engines: 1,
         cpu: None,
     };
@@ -170,6 +193,13 @@ pub fn parse(argv: &[String]) -> Result<Args, String> {
                     "busy" => PollMode::Busy,
                     "event" => PollMode::Event,
                     v => return Err(format!("--poll-mode: busy or event, not {v:?}")),
+                }
+            }
+            "--notify" => {
+                a.notify = match val(&mut it)?.as_str() {
+                    "flag" => Notify::Flag,
+                    "imm" => Notify::Imm,
+                    v => return Err(format!("--notify: flag or imm, not {v:?}")),
                 }
             }
             "--engines" => a.engines = num(&val(&mut it)?, flag)?,

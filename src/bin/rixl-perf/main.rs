@@ -21,12 +21,12 @@ use std::rc::Rc;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use args::{Args, Test};
+use args::{Args, Notify, Test};
 use glommio::{LocalExecutorBuilder, Placement};
 use oob::{Hello, Oob};
 use rixl::runtime::{
-    ConnId, Engine, EngineConfig, LocalDescList, Message, Op, Region, RemoteDesc, RemoteDescList,
-    TransferOptions, DEFAULT_IO_MEMORY,
+    wait_flag, ConnId, Engine, EngineConfig, Flag, LocalDescList, Message, Op, Region, RemoteDesc,
+    RemoteDescList, TransferOptions, DEFAULT_IO_MEMORY,
 };
 use stats::{BwRow, LatRow};
 
@@ -34,6 +34,21 @@ type Res<T> = Result<T, String>;
 
 /// One size's result on one engine: (size, completion stamps, elapsed seconds).
 type SizeResult = (u64, Vec<(f64, u64)>, f64);
+
+/// How long one side of a ping-pong waits for the other's WRITE.
+const PING_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The flag value of ping-pong round `i`: never 0 (the landing byte starts zeroed) and never the
+/// previous round's.
+fn ping_value(i: u64) -> u8 {
+    (i % 255) as u8 + 1
+}
+
+/// Registered bytes for messages up to `max_size`: a source area and, in the upper half, the
+/// landing area the peer's ping-pong WRITEs go to.
+fn region_len(max_size: u64) -> usize {
+    2 * max_size.max(4096) as usize
+}
 
 fn s<E: std::fmt::Display>(e: E) -> String {
     e.to_string()
@@ -134,7 +149,7 @@ async fn server(a: Args) -> Res<()> {
     let cfg = engine_config(&a, a.test, hello.max_size, hello.tx_depth, conns_total);
     let engine = Engine::open(cfg).await.map_err(s)?;
     let region = engine
-        .register(hello.max_size.max(4096) as usize)
+        .register(region_len(hello.max_size))
         .await
         .map_err(s)?;
     let mut all: Vec<(ConnId, RemoteDesc)> = Vec::new();
@@ -149,14 +164,28 @@ async fn server(a: Args) -> Res<()> {
         let f: Vec<&str> = line.split(' ').collect();
         match f.as_slice() {
             ["DONE"] => break,
-            ["PING", size, n] => {
+            ["PING", size, n, notify] => {
                 let (size, n): (u64, u64) = (size.parse().map_err(s)?, n.parse().map_err(s)?);
                 let local = one_desc(&region, size);
+                // The client's landing area is the upper half of its region (ours likewise).
                 let remote = RemoteDescList(vec![RemoteDesc {
+                    addr: remote0.addr + remote0.len / 2,
                     len: size,
-                    ..remote0
+                    rkey: remote0.rkey,
                 }]);
+                let flag_at = region.len() / 2 + size - 1;
+                region.write_at(flag_at, &[0]).map_err(s)?;
+                streams[0].send("GO")?;
                 for i in 0..n {
+                    if *notify == "flag" {
+                        let v = ping_value(i);
+                        wait_flag(&region, flag_at, Flag::Byte(v), PING_TIMEOUT)
+                            .await
+                            .map_err(s)?;
+                        region.write_at(size - 1, &[v]).map_err(s)?;
+                        engine.write(conn0, &local, &remote).await.map_err(s)?;
+                        continue;
+                    }
                     engine.recv(conn0).await.map_err(s)?;
                     if a.test.is_send() {
                         engine
@@ -287,10 +316,7 @@ async fn client_setup(a: &Args, host: &str, max_size: u64) -> Res<ClientSide> {
     )?;
     let cfg = engine_config(a, a.test, max_size, a.tx_depth, a.qps);
     let engine = Engine::open(cfg).await.map_err(s)?;
-    let region = engine
-        .register(max_size.max(4096) as usize)
-        .await
-        .map_err(s)?;
+    let region = engine.register(region_len(max_size)).await.map_err(s)?;
     let conns = connect_side(&engine, &region, &mut oob, a.qps, false).await?;
     Ok(ClientSide {
         engine,
@@ -535,23 +561,50 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                         rows.push(stats::lat_from(size, &samples, 1.0));
                     }
                     Test::WriteLat | Test::SendLat => {
-                        c.oob.send(&format!("PING {size} {total}"))?;
+                        let notify = if a.test == Test::WriteLat {
+                            a.notify
+                        } else {
+                            Notify::Imm
+                        };
+                        // Replies land in the upper half of our region (ours go to theirs).
+                        let flag_at = c.region.len() / 2 + size - 1;
+                        c.region.write_at(flag_at, &[0]).map_err(s)?;
+                        let land = RemoteDescList(vec![RemoteDesc {
+                            addr: remote0.addr + remote0.len / 2,
+                            len: size,
+                            rkey: remote0.rkey,
+                        }]);
+                        c.oob
+                            .send(&format!("PING {size} {total} {}", notify.name()))?;
+                        c.oob.expect("GO")?;
                         let payload = vec![0xa5u8; size as usize];
                         for i in 0..total {
+                            let v = ping_value(i);
+                            if notify == Notify::Flag {
+                                c.region.write_at(size - 1, &[v]).map_err(s)?;
+                            }
                             let t = quanta::Instant::now();
                             if a.test == Test::SendLat {
                                 c.engine.send(conn, &payload, None).await.map_err(s)?;
+                            } else if notify == Notify::Flag {
+                                c.engine.write(conn, &local, &land).await.map_err(s)?;
                             } else {
                                 let mut o = TransferOptions::default();
                                 o.notify_imm = Some(i as u32);
                                 c.engine
-                                    .transfer(conn, Op::Write, &local, &remote, o)
+                                    .transfer(conn, Op::Write, &local, &land, o)
                                     .await
                                     .map_err(s)?;
                             }
-                            match c.engine.recv(conn).await.map_err(s)? {
-                                Message::Immediate(_) | Message::Data(..) => {}
-                                other => return Err(format!("unexpected reply {other:?}")),
+                            if notify == Notify::Flag {
+                                wait_flag(&c.region, flag_at, Flag::Byte(v), PING_TIMEOUT)
+                                    .await
+                                    .map_err(s)?;
+                            } else {
+                                match c.engine.recv(conn).await.map_err(s)? {
+                                    Message::Immediate(_) | Message::Data(..) => {}
+                                    other => return Err(format!("unexpected reply {other:?}")),
+                                }
                             }
                             if i >= warm {
                                 samples.push(t.elapsed());
@@ -602,10 +655,15 @@ fn banner(a: &Args) {
         a.poll_mode
     );
     println!(
-        " TX depth: {} | Post list: {} | GID index: {}",
+        " TX depth: {} | Post list: {} | GID index: {}{}",
         a.tx_depth,
         a.post_list,
-        a.gid_index.map_or("default".into(), |g| g.to_string())
+        a.gid_index.map_or("default".into(), |g| g.to_string()),
+        if a.test == Test::WriteLat {
+            format!(" | Arrival: {}", a.notify.name())
+        } else {
+            String::new()
+        }
     );
     println!("{line}");
 }
