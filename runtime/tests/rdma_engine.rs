@@ -475,10 +475,16 @@ fn dropped_or_forgotten_futures_never_free_memory_in_flight() {
             report(&format!("dropped future: {posted} WRs were in flight; slot released after their completions"));
 
             // mem::forget: the slot stays attached (a leak, never a free) and the engine works on.
-            let region = engine.register(1 << 20).await.expect("register");
+            // Again more work requests than the send queue holds, so the transfer is still
+            // posting after one poll (a small one may already be complete: futures reap the CQ).
+            let region = engine.register(16 << 20).await.expect("register");
             let mut local = LocalDescList::new();
-            local.push(&region, 0, 1 << 20);
-            let remote = RemoteDescList(vec![peer.remote(0, 1 << 20)]);
+            let mut remote = Vec::new();
+            for i in 0..4096u64 {
+                local.push(&region, i * 4096, 4096);
+                remote.push(peer.remote(i * 4096, 4096));
+            }
+            let remote = RemoteDescList(remote);
             let mut fut = Box::pin(engine.write(conn, &local, &remote));
             assert!(poll_once(&mut fut).await.is_none());
             std::mem::forget(fut);
@@ -494,7 +500,7 @@ fn dropped_or_forgotten_futures_never_free_memory_in_flight() {
                 .write(conn, &local, &remote)
                 .await
                 .expect("engine still works");
-            assert_eq!(st.bytes, 1 << 20);
+            assert_eq!(st.bytes, 16 << 20);
             peer.finish();
         })
     });
