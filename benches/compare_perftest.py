@@ -44,7 +44,7 @@ def parse_row(text, size):
     raise RuntimeError(f"no result row for {size} in:\n{text}")
 
 
-def tool_cmds(tool, test, size, iters, post_list, rixl):
+def tool_cmds(tool, test, size, iters, post_list, rixl, extra=()):
     if tool == "perftest":
         base = ["timeout", "150", f"ib_{test}", "-d", DEV, "-x", GID, "-s", str(size), "-n", str(iters), "-F"]
         if post_list > 1:
@@ -53,6 +53,7 @@ def tool_cmds(tool, test, size, iters, post_list, rixl):
         base = [rixl, test, "-d", DEV, "-x", GID, "-s", str(size), "-n", str(iters), "-F"]
         if post_list > 1:
             base += ["-l", str(post_list)]
+    base += list(extra)
     return base, base + ["127.0.0.1"]
 
 
@@ -68,16 +69,14 @@ def measure(tool, test, size, iters, post_list, rixl):
 def perftest_op_time(size, iters):
     """Raw verbs time per completed WRITE: ib_write_bw with one request outstanding (-t 1) posts,
     then polls until its completion, like one `.await`; 1 / MsgRate in microseconds."""
-    s, c = tool_cmds("perftest", "write_bw", size, iters, 1, None)
-    s, c = s + ["-t", "1"], c[:-1] + ["-t", "1", c[-1]]
+    s, c = tool_cmds("perftest", "write_bw", size, iters, 1, None, ["-t", "1"])
     row = parse_row(run_pair(s, c), size)
     return 1.0 / row[3]
 
 
 def rixl_lat_imm(rixl, size, iters):
     """rixl's write_lat with WRITE_WITH_IMM and a receive completion as the arrival signal."""
-    s, c = tool_cmds("rixl", "write_lat", size, iters, 1, rixl)
-    s, c = s + ["--notify", "imm"], c[:-1] + ["--notify", "imm", c[-1]]
+    s, c = tool_cmds("rixl", "write_lat", size, iters, 1, rixl, ["--notify", "imm"])
     return parse_row(run_pair(s, c), size)[3]
 
 

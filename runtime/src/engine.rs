@@ -241,6 +241,13 @@ struct Conn {
     flush_scheduled: bool,
 }
 
+impl Conn {
+    /// Whether a request of `op` moving `bytes` is posted inline (READs never are).
+    fn inline(&self, op: &SendOp, bytes: u64) -> bool {
+        !matches!(op, SendOp::Read { .. }) && bytes <= self.max_inline
+    }
+}
+
 /// Transfers of at most this many work requests are coalesced (see [`EngineConfig::coalesce`]).
 pub const COALESCE_MAX_WRS: usize = 4;
 
@@ -1128,7 +1135,7 @@ impl Inner {
                     rkey: wr.rkey,
                 },
             };
-            let inline = !matches!(op, SendOp::Read { .. }) && wr.bytes <= c.max_inline;
+            let inline = c.inline(&op, wr.bytes);
             batch.push(
                 slot.wr_id(signal),
                 op,
@@ -1491,13 +1498,14 @@ impl Inner {
         let mut regions: Vec<Region> = Vec::new();
         for (q, signal) in c.queue.iter().take(n).zip(signals.flags()) {
             let bytes: u64 = q.sges.iter().map(|g| u64::from(g.length)).sum();
+            let inline = c.inline(&q.op, bytes);
             batch.push(
                 q.slot.wr_id(signal),
                 q.op,
                 &q.sges,
                 SendFlags {
                     signaled: signal,
-                    inline: !matches!(q.op, SendOp::Read { .. }) && bytes <= c.max_inline,
+                    inline,
                     ..SendFlags::default()
                 },
             );
@@ -1636,7 +1644,7 @@ async fn post_single(
             .ok_or_else(|| TransferError::Connection(conn.0, "unknown".into()))?;
         batch.clear();
         let flags = SendFlags {
-            inline: u64::from(sge.length) <= c.max_inline,
+            inline: c.inline(&op, u64::from(sge.length)),
             ..SendFlags::SIGNALED
         };
         batch.push(slot.wr_id(true), op, &[sge], flags);

@@ -27,13 +27,23 @@ const CHECKS_PER_POLL: u32 = 128;
 /// How many polls between two clock reads (a clock read is a syscall on some clock sources).
 const POLLS_PER_CLOCK_READ: u32 = 64;
 
+impl Flag {
+    /// Whether `host` holds this value at `off` (checked by [`Region::flag_memory`]).
+    fn is_at(self, host: &rixl_verbs::HostBuffer, off: usize) -> bool {
+        match self {
+            Flag::Byte(v) => host.load_u8(off).is_ok_and(|x| x == v),
+            Flag::Word(v) => host.load_u64(off).is_ok_and(|x| x == v),
+        }
+    }
+}
+
 impl Region {
-    /// Whether the flag at `offset` holds `expected` now.
-    ///
-    /// # Errors
-    /// [`InvalidDescriptor::NotHostMemory`] for GPU memory, [`InvalidDescriptor::OutOfRange`] or
-    /// [`InvalidDescriptor::Misaligned`] for a bad offset.
-    pub fn flag_is(&self, offset: u64, expected: Flag) -> Result<bool, InvalidDescriptor> {
+    /// The host memory and offset of a flag like `expected` at `offset`, once checked.
+    fn flag_memory(
+        &self,
+        offset: u64,
+        expected: Flag,
+    ) -> Result<(&rixl_verbs::HostBuffer, usize), InvalidDescriptor> {
         let host = self.host_memory().ok_or(InvalidDescriptor::NotHostMemory)?;
         let (len, align) = match expected {
             Flag::Byte(_) => (1, 1),
@@ -50,12 +60,17 @@ impl Region {
         if !offset.is_multiple_of(align) {
             return Err(InvalidDescriptor::Misaligned { offset, align });
         }
-        // In range and aligned (checked above), so the loads cannot fail.
-        let off = offset as usize;
-        Ok(match expected {
-            Flag::Byte(v) => host.load_u8(off).is_ok_and(|x| x == v),
-            Flag::Word(v) => host.load_u64(off).is_ok_and(|x| x == v),
-        })
+        Ok((host, offset as usize))
+    }
+
+    /// Whether the flag at `offset` holds `expected` now.
+    ///
+    /// # Errors
+    /// [`InvalidDescriptor::NotHostMemory`] for GPU memory, [`InvalidDescriptor::OutOfRange`] or
+    /// [`InvalidDescriptor::Misaligned`] for a bad offset.
+    pub fn flag_is(&self, offset: u64, expected: Flag) -> Result<bool, InvalidDescriptor> {
+        let (host, off) = self.flag_memory(offset, expected)?;
+        Ok(expected.is_at(host, off))
     }
 }
 
@@ -71,7 +86,9 @@ pub async fn wait_flag(
     expected: Flag,
     timeout: Duration,
 ) -> Result<(), TransferError> {
-    if region.flag_is(offset, expected)? {
+    // Checked once; the spin below only loads.
+    let (host, off) = region.flag_memory(offset, expected)?;
+    if expected.is_at(host, off) {
         return Ok(());
     }
     // The clock starts after the first spins: a flag that arrives quickly costs no clock read.
@@ -81,7 +98,7 @@ pub async fn wait_flag(
         // A short tight spin per poll: a yield through the executor costs several times one
         // check, and would add that much to the time to notice the flag.
         for _ in 0..CHECKS_PER_POLL {
-            if region.flag_is(offset, expected).unwrap_or(false) {
+            if expected.is_at(host, off) {
                 return Poll::Ready(Ok(()));
             }
             std::hint::spin_loop();

@@ -50,6 +50,15 @@ fn region_len(max_size: u64) -> usize {
     2 * max_size.max(4096) as usize
 }
 
+/// The first `size` bytes of the peer's landing area (the upper half of its region).
+fn landing(peer: &RemoteDesc, size: u64) -> RemoteDescList {
+    RemoteDescList(vec![RemoteDesc {
+        addr: peer.addr + peer.len / 2,
+        len: size,
+        rkey: peer.rkey,
+    }])
+}
+
 fn s<E: std::fmt::Display>(e: E) -> String {
     e.to_string()
 }
@@ -168,11 +177,7 @@ async fn server(a: Args) -> Res<()> {
                 let (size, n): (u64, u64) = (size.parse().map_err(s)?, n.parse().map_err(s)?);
                 let local = one_desc(&region, size);
                 // The client's landing area is the upper half of its region (ours likewise).
-                let remote = RemoteDescList(vec![RemoteDesc {
-                    addr: remote0.addr + remote0.len / 2,
-                    len: size,
-                    rkey: remote0.rkey,
-                }]);
+                let remote = landing(&remote0, size);
                 let flag_at = region.len() / 2 + size - 1;
                 region.write_at(flag_at, &[0]).map_err(s)?;
                 streams[0].send("GO")?;
@@ -569,11 +574,7 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                         // Replies land in the upper half of our region (ours go to theirs).
                         let flag_at = c.region.len() / 2 + size - 1;
                         c.region.write_at(flag_at, &[0]).map_err(s)?;
-                        let land = RemoteDescList(vec![RemoteDesc {
-                            addr: remote0.addr + remote0.len / 2,
-                            len: size,
-                            rkey: remote0.rkey,
-                        }]);
+                        let land = landing(&remote0, size);
                         c.oob
                             .send(&format!("PING {size} {total} {}", notify.name()))?;
                         c.oob.expect("GO")?;
