@@ -475,14 +475,16 @@ fn dropped_or_forgotten_futures_never_free_memory_in_flight() {
             report(&format!("dropped future: {posted} WRs were in flight; slot released after their completions"));
 
             // mem::forget: the slot stays attached (a leak, never a free) and the engine works on.
-            // Again more work requests than the send queue holds, so the transfer is still
-            // posting after one poll (a small one may already be complete: futures reap the CQ).
+            // Again 4096 scattered blocks, which the planner cannot merge: more work requests
+            // than the send queue holds, so the transfer is still posting after one poll.
+            // (Contiguous blocks merge into a few large WRITEs, which rxe can finish before the
+            // first poll returns, since futures reap the CQ themselves.)
             let region = engine.register(16 << 20).await.expect("register");
             let mut local = LocalDescList::new();
             let mut remote = Vec::new();
             for i in 0..4096u64 {
                 local.push(&region, i * 4096, 4096);
-                remote.push(peer.remote(i * 4096, 4096));
+                remote.push(peer.remote(((i * 7) % 4096) * 4096, 4096));
             }
             let remote = RemoteDescList(remote);
             let mut fut = Box::pin(engine.write(conn, &local, &remote));
