@@ -277,8 +277,10 @@ fn concurrent_small_transfers_share_doorbells_and_completions() {
                 "{n} concurrent 1-descriptor WRITEs: {doorbells} doorbells, {completions} completions"
             ));
             assert_eq!(after.work_requests - before.work_requests, n);
-            assert!(doorbells * 2 <= n, "doorbells were shared: {doorbells}");
-            assert!(completions * 2 <= n, "signals were shared: {completions}");
+            // One flush per tick posts up to `post_batch` (64) requests per doorbell and signals
+            // every 8th: at least 16 requests per doorbell and 4 per completion.
+            assert!(doorbells * 16 <= n, "doorbells were shared: {doorbells}");
+            assert!(completions * 4 <= n, "signals were shared: {completions}");
             peer.finish();
             engine.shutdown().await;
         })
