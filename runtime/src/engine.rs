@@ -169,6 +169,58 @@ pub struct TransferStats {
     pub total: Duration,
 }
 
+/// A READ or WRITE checked and planned once and posted any number of times with
+/// [`Engine::post`] (NIXL's prepared transfer request): a weight broadcast or a fixed KV layout
+/// re-sent every step skips validation and planning on every post after the first.
+///
+/// It keeps its local regions registered while it lives, and it is bound to the connection it was
+/// prepared for: after that connection fails or is closed, posting it gives
+/// [`TransferError::Connection`]. Like a transfer future, a `post` future may be dropped or
+/// forgotten at any point; its in-flight slot keeps the regions registered until the NIC is done.
+pub struct PreparedTransfer {
+    engine: u64,
+    conn: ConnId,
+    qpn: u32,
+    op: Op,
+    plan: Plan,
+    regions: SmallVec<[Region; 2]>,
+    descriptors: usize,
+}
+
+impl PreparedTransfer {
+    /// The connection it is posted on.
+    pub fn conn(&self) -> ConnId {
+        self.conn
+    }
+
+    /// READ or WRITE.
+    pub fn op(&self) -> Op {
+        self.op
+    }
+
+    /// Bytes each post moves.
+    pub fn bytes(&self) -> u64 {
+        self.plan.bytes
+    }
+
+    /// Work requests each post takes (after merging adjacent descriptors).
+    pub fn work_requests(&self) -> usize {
+        self.plan.wrs.len()
+    }
+}
+
+impl std::fmt::Debug for PreparedTransfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedTransfer")
+            .field("conn", &self.conn.0)
+            .field("op", &self.op)
+            .field("bytes", &self.plan.bytes)
+            .field("work_requests", &self.plan.wrs.len())
+            .field("descriptors", &self.descriptors)
+            .finish()
+    }
+}
+
 /// Counters of one engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
@@ -768,6 +820,56 @@ impl Engine {
         result
     }
 
+    /// Checks and plans a READ or WRITE once, for [`Engine::post`] to post it any number of
+    /// times (see [`PreparedTransfer`]).
+    ///
+    /// # Errors
+    /// The checks of [`Engine::transfer`]: an unknown or failed connection, unregistered or
+    /// foreign regions, descriptors out of range or of mismatched lengths.
+    pub fn prepare(
+        &self,
+        conn: ConnId,
+        op: Op,
+        local: &LocalDescList,
+        remote: &RemoteDescList,
+    ) -> Result<PreparedTransfer, TransferError> {
+        let mut plan = Plan::default();
+        let qpn = check_and_plan(&self.inner, conn, op, local, remote, false, &mut plan)?;
+        Ok(PreparedTransfer {
+            engine: self.inner.id,
+            conn,
+            qpn,
+            op,
+            plan,
+            regions: local.regions().iter().cloned().collect(),
+            descriptors: local.len(),
+        })
+    }
+
+    /// Posts a prepared transfer once more and waits for it, like [`Engine::transfer`] with the
+    /// descriptors it was prepared from.
+    ///
+    /// # Errors
+    /// [`TransferError::Connection`] if its connection failed or is not the one it was prepared
+    /// on (closed, and its id reused), [`TransferError::InvalidDescriptor`] if it belongs to
+    /// another engine; otherwise as [`Engine::transfer`].
+    pub async fn post(
+        &self,
+        prepared: &PreparedTransfer,
+        opts: TransferOptions,
+    ) -> Result<TransferStats, TransferError> {
+        let inner = Rc::clone(&self.inner);
+        let result = post_prepared(&inner, prepared, &opts).await;
+        bump(&inner.counters, |c| {
+            if result.is_ok() {
+                c.transfers_ok += 1
+            } else {
+                c.transfers_failed += 1
+            }
+        });
+        result
+    }
+
     /// Sends a small message (at most `max_message` bytes) with SEND (and optional immediate).
     ///
     /// # Errors
@@ -910,7 +1012,6 @@ impl Drop for SlotGuard {
 }
 
 impl Inner {
-    /// Arms the deadline of a transfer slot.
     /// Reaps the completions already in the CQ (one non-blocking poll) and routes them, on
     /// behalf of the progress task: a waiting future that finds its own completion there ends
     /// without a round trip through the progress task (on a fast device the completion often
@@ -1254,17 +1355,17 @@ impl Inner {
     }
 }
 
-async fn transfer_inner(
-    inner: Rc<Inner>,
+/// Checks `conn` and the local side of a transfer against this engine and plans it into `plan`.
+/// Returns the connection's queue pair number (a prepared transfer is bound to it).
+fn check_and_plan(
+    inner: &Inner,
     conn: ConnId,
     op: Op,
     local: &LocalDescList,
     remote: &RemoteDescList,
-    opts: TransferOptions,
-    span: tracing::Span,
-) -> Result<TransferStats, TransferError> {
-    let clock = || inner.cfg.timing.then(Instant::now);
-    let t0 = clock();
+    notify_imm: bool,
+    plan: &mut Plan,
+) -> Result<u32, TransferError> {
     let (qp, max_msg) = {
         let st = inner.state.borrow();
         let c = st
@@ -1278,7 +1379,6 @@ async fn transfer_inner(
     };
     // Most transfers use one or two regions: no heap allocation for them.
     let mut regions: SmallVec<[RegionInfo; 4]> = SmallVec::new();
-    let mut nic_buffers: SmallVec<[&dyn OwnedRegistration; 4]> = SmallVec::new();
     for (i, r) in local.regions().iter().enumerate() {
         let index = || {
             local
@@ -1287,45 +1387,141 @@ async fn transfer_inner(
                 .position(|d| d.region as usize == i)
                 .unwrap_or(0)
         };
-        let Some(buf) = r.registration() else {
+        if r.registration().is_none() {
             return Err(InvalidDescriptor::NotRegistered { index: index() }.into());
-        };
+        }
         if r.engine_id() != inner.id {
             return Err(InvalidDescriptor::ForeignRegion { index: index() }.into());
         }
-        nic_buffers.push(buf);
         regions.push(RegionInfo {
             addr: r.addr(),
             len: r.len(),
             lkey: r.lkey(),
         });
     }
-    if opts.notify_imm.is_some() && op == Op::Read {
+    if notify_imm && op == Op::Read {
         return Err(TransferError::Post("notify_imm needs a WRITE".into()));
     }
-    let mut plan = inner.plans.borrow_mut().pop().unwrap_or_default();
-    if let Err(e) = plan::plan_into(
-        &mut plan,
+    plan::plan_into(
+        plan,
         &regions,
         local.descs(),
         &remote.0,
         inner.limits(op, &qp, max_msg),
+    )?;
+    Ok(qp.qpn())
+}
+
+async fn transfer_inner(
+    inner: Rc<Inner>,
+    conn: ConnId,
+    op: Op,
+    local: &LocalDescList,
+    remote: &RemoteDescList,
+    opts: TransferOptions,
+    span: tracing::Span,
+) -> Result<TransferStats, TransferError> {
+    let clock = || inner.cfg.timing.then(Instant::now);
+    let t0 = clock();
+    let mut plan = inner.plans.borrow_mut().pop().unwrap_or_default();
+    if let Err(e) = check_and_plan(
+        &inner,
+        conn,
+        op,
+        local,
+        remote,
+        opts.notify_imm.is_some(),
+        &mut plan,
     ) {
         inner.recycle_plan(plan);
-        return Err(e.into());
+        return Err(e);
     }
     span.record("bytes", plan.bytes);
     span.record("wrs", plan.wrs.len());
     let prepared = clock();
+    let (guard, doorbells) = post_plan(&inner, conn, op, &plan, local.regions(), &opts).await;
+    let (bytes, work_requests) = (plan.bytes, plan.wrs.len());
+    // The plan goes back to the pool before the wait: concurrent transfers share few plans.
+    inner.recycle_plan(plan);
+    let posted = clock();
+    wait_slot(guard).await?;
+    Ok(TransferStats {
+        bytes,
+        descriptors: local.len(),
+        work_requests,
+        doorbells,
+        prepare: since(t0, prepared),
+        post: since(prepared, posted),
+        total: since(t0, clock()),
+    })
+}
+
+async fn post_prepared(
+    inner: &Rc<Inner>,
+    p: &PreparedTransfer,
+    opts: &TransferOptions,
+) -> Result<TransferStats, TransferError> {
+    let clock = || inner.cfg.timing.then(Instant::now);
+    let t0 = clock();
+    if p.engine != inner.id {
+        return Err(InvalidDescriptor::ForeignRegion { index: 0 }.into());
+    }
+    {
+        let st = inner.state.borrow();
+        let c = st
+            .conns
+            .get(p.conn.0 as usize)
+            .ok_or_else(|| TransferError::Connection(p.conn.0, "unknown".into()))?;
+        if let ConnStatus::Failed(why) = &c.status {
+            return Err(TransferError::Connection(p.conn.0, why.clone()));
+        }
+        if c.qp.qpn() != p.qpn {
+            return Err(TransferError::Connection(
+                p.conn.0,
+                "prepared for a connection that is gone".into(),
+            ));
+        }
+    }
+    if opts.notify_imm.is_some() && p.op == Op::Read {
+        return Err(TransferError::Post("notify_imm needs a WRITE".into()));
+    }
+    let (guard, doorbells) = post_plan(inner, p.conn, p.op, &p.plan, &p.regions, opts).await;
+    let posted = clock();
+    wait_slot(guard).await?;
+    Ok(TransferStats {
+        bytes: p.plan.bytes,
+        descriptors: p.descriptors,
+        work_requests: p.plan.wrs.len(),
+        doorbells,
+        prepare: Duration::ZERO,
+        post: since(t0, posted),
+        total: since(t0, clock()),
+    })
+}
+
+/// Takes an in-flight slot for `plan` (keeping `regions` registered until the NIC is done), arms
+/// its deadline and posts its work requests (or queues them for a coalesced post). Returns the
+/// slot's guard and the doorbells rung. A post error ends the slot's posting: the error is the
+/// transfer's result once its posted work has completed or flushed.
+async fn post_plan(
+    inner: &Rc<Inner>,
+    conn: ConnId,
+    op: Op,
+    plan: &Plan,
+    regions: &[Region],
+    opts: &TransferOptions,
+) -> (SlotGuard, usize) {
+    let nic_buffers: SmallVec<[&dyn OwnedRegistration; 4]> =
+        regions.iter().filter_map(Region::registration).collect();
     let slot = inner.state.borrow_mut().inflight.insert(
         conn.0,
         KeepAlive {
-            _regions: local.regions().iter().cloned().collect(),
+            _regions: regions.iter().cloned().collect(),
             _message: None,
         },
     );
-    let mut guard = SlotGuard {
-        inner: Rc::clone(&inner),
+    let guard = SlotGuard {
+        inner: Rc::clone(inner),
         slot,
         armed: true,
     };
@@ -1337,7 +1533,7 @@ async fn transfer_inner(
     let job = Job {
         op,
         slot,
-        plan: &plan,
+        plan,
         notify_imm: opts.notify_imm,
         regions: &nic_buffers,
     };
@@ -1349,7 +1545,7 @@ async fn transfer_inner(
         inner.cfg.coalesce && plan.wrs.len() <= COALESCE_MAX_WRS && opts.notify_imm.is_none();
     if coalesced {
         // Posted by this tick's flush; the flush ends posting for the slot.
-        if let Err(e) = inner.enqueue(conn.0, slot, op, &plan) {
+        if let Err(e) = inner.enqueue(conn.0, slot, op, plan) {
             post_err = Some(e);
         }
         next = plan.wrs.len();
@@ -1376,7 +1572,6 @@ async fn transfer_inner(
             }
         }
     }
-    let posted = clock();
     if !coalesced || post_err.is_some() {
         let mut st = inner.state.borrow_mut();
         if let Some(e) = post_err {
@@ -1384,20 +1579,16 @@ async fn transfer_inner(
         }
         st.inflight.end_posting(slot);
     }
-    let (bytes, work_requests) = (plan.bytes, plan.wrs.len());
-    inner.recycle_plan(plan);
+    (guard, doorbells)
+}
+
+/// Waits for the slot of `guard` to complete and releases it.
+async fn wait_slot(mut guard: SlotGuard) -> Result<(), TransferError> {
+    let inner = Rc::clone(&guard.inner);
+    let slot = guard.slot;
     let result = poll_fn(|cx| inner.poll_slot(slot, cx)).await;
     guard.armed = false;
-    result?;
-    Ok(TransferStats {
-        bytes,
-        descriptors: local.len(),
-        work_requests,
-        doorbells,
-        prepare: since(t0, prepared),
-        post: since(prepared, posted),
-        total: since(t0, clock()),
-    })
+    result
 }
 
 /// Ends every queued (not yet posted) transfer of `c` with `err`.

@@ -20,7 +20,8 @@ pub use flag::{wait_flag, Flag};
 pub mod engine;
 
 pub use engine::{
-    ConnId, Engine, EngineConfig, EngineCounters, Message, PollMode, TransferOptions, TransferStats,
+    ConnId, Engine, EngineConfig, EngineCounters, Message, PollMode, PreparedTransfer,
+    TransferOptions, TransferStats,
 };
 pub mod handle;
 pub mod preflight;

@@ -511,6 +511,129 @@ fn dropped_or_forgotten_futures_never_free_memory_in_flight() {
 }
 
 #[test]
+fn prepared_transfers_repost_the_same_blocks_and_refuse_stale_use() {
+    if require_or_skip(
+        "prepared_transfers_repost_the_same_blocks_and_refuse_stale_use",
+        || rixl_verbs::DeviceList::new().and_then(|l| l.find(None).map(|_| ())),
+    )
+    .is_none()
+    {
+        return;
+    }
+    on_executor(|| {
+        Box::pin(async {
+            let engine = Engine::open(config()).await.expect("engine");
+            let mut peer = Peer::spawn("target");
+            let conn = connect_local(&engine, &mut peer).await;
+            let region = engine.register(REGION).await.expect("register");
+            let n = 1000u64;
+            let (local, remote) = scattered_lists(&region, &peer, n);
+            let write = engine
+                .prepare(conn, Op::Write, &local, &remote)
+                .expect("prepare write");
+            let read = engine
+                .prepare(conn, Op::Read, &local, &remote)
+                .expect("prepare read");
+            assert_eq!(write.bytes(), n * BLOCK);
+            assert_eq!(write.work_requests(), n as usize, "scattered: one WR each");
+            // The prepared transfers keep the region registered on their own.
+            drop(local);
+            let held = region.handle_count();
+            assert!(held >= 3, "region, two prepared transfers: {held}");
+
+            // Re-post the same WRITE with new contents each round; every block is checked.
+            let plans_before = engine.counters().work_requests;
+            for round in 0..3u64 {
+                let mut data = vec![0u8; REGION];
+                fill(&mut data, 300 + round);
+                region.write_at(0, &data).expect("fill");
+                let st = engine
+                    .post(&write, TransferOptions::default())
+                    .await
+                    .expect("post write");
+                assert_eq!((st.bytes, st.descriptors), (n * BLOCK, n as usize));
+                let got: u64 = peer.cmd(&format!("sum {n}")).parse().expect("sum");
+                assert_eq!(got, region_sum(&region, n, local_slot), "round {round}");
+            }
+            assert_eq!(engine.counters().work_requests - plans_before, 3 * n);
+            // The prepared READ brings the peer's new pattern back.
+            assert_eq!(peer.cmd("fill 911"), "ok");
+            region.write_at(0, &vec![0u8; REGION]).expect("zero");
+            engine
+                .post(&read, TransferOptions::default())
+                .await
+                .expect("post read");
+            let want: u64 = peer.cmd(&format!("sum {n}")).parse().expect("sum");
+            assert_eq!(region_sum(&region, n, local_slot), want, "prepared READ");
+
+            // Typed errors, never a post: a READ with an immediate, bad descriptors at
+            // preparation, another engine, a closed connection, a reused connection id.
+            let mut imm = TransferOptions::default();
+            imm.notify_imm = Some(7);
+            assert!(matches!(
+                engine.post(&read, imm).await,
+                Err(TransferError::Post(_))
+            ));
+            let mut bad = LocalDescList::new();
+            bad.push(&region, REGION as u64 - 10, 100);
+            let r = engine.prepare(
+                conn,
+                Op::Write,
+                &bad,
+                &RemoteDescList(vec![peer.remote(0, 100)]),
+            );
+            assert!(
+                matches!(
+                    r,
+                    Err(TransferError::InvalidDescriptor(
+                        InvalidDescriptor::OutOfRange { .. }
+                    ))
+                ),
+                "{r:?}"
+            );
+            drop(bad);
+            let other = Engine::open(config()).await.expect("second engine");
+            let r = other.post(&write, TransferOptions::default()).await;
+            assert!(
+                matches!(
+                    r,
+                    Err(TransferError::InvalidDescriptor(
+                        InvalidDescriptor::ForeignRegion { .. }
+                    ))
+                ),
+                "{r:?}"
+            );
+            other.shutdown().await;
+            let posted = engine.counters().work_requests;
+            engine.close_connection(conn).await;
+            let r = engine.post(&write, TransferOptions::default()).await;
+            assert!(matches!(r, Err(TransferError::Connection(..))), "{r:?}");
+            let again = connect_local(&engine, &mut peer).await;
+            if again == conn {
+                let r = engine.post(&write, TransferOptions::default()).await;
+                assert!(matches!(r, Err(TransferError::Connection(..))), "{r:?}");
+            }
+            assert_eq!(
+                engine.counters().work_requests,
+                posted,
+                "nothing was posted"
+            );
+            report(&format!(
+                "prepared: 3 re-posts of {n} scattered blocks verified; new connection id reused: {}",
+                again == conn
+            ));
+            drop((write, read));
+            assert_eq!(
+                region.handle_count(),
+                held - 2,
+                "dropping them releases the region"
+            );
+            peer.finish();
+        })
+    });
+}
+
+#[test]
 fn a_stalled_peer_ends_in_the_timeout_error_not_a_hang() {
     let mut cfg = config();
     cfg.connect.timeout = 20; // ~4.3 s per transport retry: the transfer deadline comes first

@@ -84,6 +84,8 @@ pub struct Args {
     pub poll_mode: PollMode,
     /// Coalesce small transfers' doorbells and signals (`--coalesce`; off by default).
     pub coalesce: bool,
+    /// Prepare each transfer once and re-post it (`--prepared`: `Engine::prepare` + `post`).
+    pub prepared: bool,
     /// How write_lat detects arrival: a flag byte in memory (perftest's way) or WRITE_WITH_IMM.
     pub notify: Notify,
     pub engines: u32,
@@ -112,6 +114,8 @@ usage: rixl-perf TEST [options] [server-host]
   rixl options:
         --poll-mode busy|event   engine completion mode (default busy)
         --coalesce               share doorbells and signaled completions among small transfers
+        --prepared               check and plan each transfer once, then re-post it (like
+                                 NIXL's prepared transfer requests; READ/WRITE tests)
         --notify flag|imm        write_lat arrival: a flag byte in memory, as perftest (default),
                                  or WRITE_WITH_IMM and a receive completion
         --engines <n>            engines (cores) on the client for bw tests (default 1)
@@ -150,6 +154,7 @@ pub fn parse(argv: &[String]) -> Result<Args, String> {
         out_json: None,
         poll_mode: PollMode::Busy,
         coalesce: false,
+        prepared: false,
         notify: Notify::Flag,
         engines: 1,
         cpu: None,
@@ -188,6 +193,7 @@ pub fn parse(argv: &[String]) -> Result<Args, String> {
             "--out_json" => a.out_json = a.out_json.or(Some("perftest_out.json".into())),
             "--out_json_file" => a.out_json = Some(val(&mut it)?),
             "--coalesce" => a.coalesce = true,
+            "--prepared" => a.prepared = true,
             "--poll-mode" => {
                 a.poll_mode = match val(&mut it)?.as_str() {
                     "busy" => PollMode::Busy,

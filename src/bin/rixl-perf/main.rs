@@ -25,8 +25,8 @@ use args::{Args, Notify, Test};
 use glommio::{LocalExecutorBuilder, Placement};
 use oob::{Hello, Oob};
 use rixl::runtime::{
-    wait_flag, ConnId, Engine, EngineConfig, Flag, LocalDescList, Message, Op, Region, RemoteDesc,
-    RemoteDescList, TransferOptions, DEFAULT_IO_MEMORY,
+    wait_flag, ConnId, Engine, EngineConfig, Flag, LocalDescList, Message, Op, PreparedTransfer,
+    Region, RemoteDesc, RemoteDescList, TransferOptions, DEFAULT_IO_MEMORY,
 };
 use stats::{BwRow, LatRow};
 
@@ -178,6 +178,14 @@ async fn server(a: Args) -> Res<()> {
                 let local = one_desc(&region, size);
                 // The client's landing area is the upper half of its region (ours likewise).
                 let remote = landing(&remote0, size);
+                let pong = Xfer::new(
+                    &engine,
+                    a.prepared,
+                    conn0,
+                    Op::Write,
+                    local.clone(),
+                    remote.clone(),
+                )?;
                 let flag_at = region.len() / 2 + size - 1;
                 region.write_at(flag_at, &[0]).map_err(s)?;
                 streams[0].send("GO")?;
@@ -188,7 +196,7 @@ async fn server(a: Args) -> Res<()> {
                             .await
                             .map_err(s)?;
                         region.write_at(size - 1, &[v]).map_err(s)?;
-                        engine.write(conn0, &local, &remote).await.map_err(s)?;
+                        pong.run(&engine).await?;
                         continue;
                     }
                     engine.recv(conn0).await.map_err(s)?;
@@ -345,6 +353,53 @@ fn connect_retry(host: &str, port: u16) -> Res<TcpStream> {
     }
 }
 
+/// A READ or WRITE of fixed descriptors, prepared once with `--prepared` (then each run only
+/// posts it), else submitted whole each time as `Engine::transfer`.
+struct Xfer {
+    conn: ConnId,
+    op: Op,
+    local: LocalDescList,
+    remote: RemoteDescList,
+    prepared: Option<PreparedTransfer>,
+}
+
+impl Xfer {
+    fn new(
+        e: &Engine,
+        prepare: bool,
+        conn: ConnId,
+        op: Op,
+        local: LocalDescList,
+        remote: RemoteDescList,
+    ) -> Res<Self> {
+        let prepared = if prepare {
+            Some(e.prepare(conn, op, &local, &remote).map_err(s)?)
+        } else {
+            None
+        };
+        Ok(Xfer {
+            conn,
+            op,
+            local,
+            remote,
+            prepared,
+        })
+    }
+
+    async fn run(&self, e: &Engine) -> Res<()> {
+        let opts = TransferOptions::default();
+        match &self.prepared {
+            Some(p) => e.post(p, opts).await,
+            None => {
+                e.transfer(self.conn, self.op, &self.local, &self.remote, opts)
+                    .await
+            }
+        }
+        .map(|_| ())
+        .map_err(s)
+    }
+}
+
 /// One engine's share of a bandwidth run: completion stamps (seconds since `t0`, messages),
 /// taken every 16 transfers per task (and at each task's end) to keep clock reads off the path.
 async fn bw_run(
@@ -384,6 +439,7 @@ async fn bw_run(
         let conns = c.conns.clone();
         let region = c.region.clone();
         let send = a.test == Test::SendBw;
+        let prepare = a.prepared;
         let payload = if send {
             vec![0xa5u8; size as usize]
         } else {
@@ -394,12 +450,18 @@ async fn bw_run(
             for _ in 0..post_list {
                 local.push(&region, 0, size);
             }
-            let remotes: Vec<RemoteDescList> = conns
-                .iter()
-                .map(|(_, r)| {
-                    RemoteDescList(vec![RemoteDesc { len: size, ..*r }; post_list as usize])
-                })
-                .collect();
+            let xfers = if send {
+                Vec::new()
+            } else {
+                conns
+                    .iter()
+                    .map(|&(conn, r)| {
+                        let remote =
+                            RemoteDescList(vec![RemoteDesc { len: size, ..r }; post_list as usize]);
+                        Xfer::new(&e, prepare, conn, op, local.clone(), remote)
+                    })
+                    .collect::<Res<Vec<_>>>()?
+            };
             let mut unstamped = 0u64;
             loop {
                 let i = next.get();
@@ -420,15 +482,7 @@ async fn bw_run(
                 if send {
                     e.send(conns[k].0, &payload, None).await.map_err(s)?;
                 } else {
-                    e.transfer(
-                        conns[k].0,
-                        op,
-                        &local,
-                        &remotes[k],
-                        TransferOptions::default(),
-                    )
-                    .await
-                    .map_err(s)?;
+                    xfers[k].run(&e).await?;
                 }
                 unstamped += post_list;
                 if unstamped >= stamp_every {
@@ -556,9 +610,17 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                 let mut samples = Vec::with_capacity(a.iters as usize);
                 match a.test {
                     Test::ReadLat => {
+                        let read = Xfer::new(
+                            &c.engine,
+                            a.prepared,
+                            conn,
+                            Op::Read,
+                            local.clone(),
+                            remote.clone(),
+                        )?;
                         for i in 0..total {
                             let t = quanta::Instant::now();
-                            c.engine.read(conn, &local, &remote).await.map_err(s)?;
+                            read.run(&c.engine).await?;
                             if i >= warm {
                                 samples.push(t.elapsed());
                             }
@@ -575,6 +637,14 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                         let flag_at = c.region.len() / 2 + size - 1;
                         c.region.write_at(flag_at, &[0]).map_err(s)?;
                         let land = landing(&remote0, size);
+                        let ping = Xfer::new(
+                            &c.engine,
+                            a.prepared,
+                            conn,
+                            Op::Write,
+                            local.clone(),
+                            land.clone(),
+                        )?;
                         c.oob
                             .send(&format!("PING {size} {total} {}", notify.name()))?;
                         c.oob.expect("GO")?;
@@ -588,7 +658,7 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                             if a.test == Test::SendLat {
                                 c.engine.send(conn, &payload, None).await.map_err(s)?;
                             } else if notify == Notify::Flag {
-                                c.engine.write(conn, &local, &land).await.map_err(s)?;
+                                ping.run(&c.engine).await?;
                             } else {
                                 let mut o = TransferOptions::default();
                                 o.notify_imm = Some(i as u32);
@@ -616,9 +686,17 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                         if a.test == Test::WriteLat {
                             // One `.await` of a WRITE: completes when the ACK is back (one round trip).
                             let mut one = Vec::with_capacity(a.iters as usize);
+                            let write = Xfer::new(
+                                &c.engine,
+                                a.prepared,
+                                conn,
+                                Op::Write,
+                                local.clone(),
+                                remote.clone(),
+                            )?;
                             for i in 0..total {
                                 let t = quanta::Instant::now();
-                                c.engine.write(conn, &local, &remote).await.map_err(s)?;
+                                write.run(&c.engine).await?;
                                 if i >= warm {
                                     one.push(t.elapsed());
                                 }
@@ -666,6 +744,13 @@ fn banner(a: &Args) {
             String::new()
         }
     );
+    if a.prepared || a.coalesce {
+        println!(
+            " Prepared transfers: {} | Coalescing: {}",
+            if a.prepared { "on" } else { "off" },
+            if a.coalesce { "on" } else { "off" }
+        );
+    }
     println!("{line}");
 }
 
