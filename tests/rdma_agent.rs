@@ -165,13 +165,16 @@ fn decode_reads_scattered_kv_blocks_and_notifies_prefill() {
     p.ctl.send_str("notify decode hello-from-prefill");
     assert_eq!(p.ctl.recv_str(), "ok");
     let mut notifs = decode.notifications().expect("stream");
-    let got = block_on(async {
-        futures_lite::future::or(async { notifs.next().await }, async {
-            std::thread::sleep(Duration::from_secs(10));
-            None
-        })
-        .await
-    });
+    // Wait up to 10 s for it (a blocking sleep raced against the stream would only see a
+    // notification that was already there at the first poll).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let got = loop {
+        if let Some(n) = block_on(futures_lite::future::poll_once(notifs.next())) {
+            break n;
+        }
+        assert!(Instant::now() < deadline, "no notification within 10 s");
+        std::thread::sleep(Duration::from_millis(5));
+    };
     assert_eq!(
         got,
         Some(("prefill".to_string(), b"hello-from-prefill".to_vec()))
