@@ -859,7 +859,20 @@ impl Engine {
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferError> {
         let inner = Rc::clone(&self.inner);
-        let result = post_prepared(&inner, prepared, &opts).await;
+        let span = tracing::debug_span!(
+            "post",
+            engine = inner.id,
+            conn = prepared.conn.0,
+            op = ?prepared.op,
+            bytes = prepared.plan.bytes,
+            wrs = prepared.plan.wrs.len()
+        );
+        let result = post_prepared(&inner, prepared, &opts)
+            .instrument(span.clone())
+            .await;
+        if let Err(e) = &result {
+            tracing::debug!(parent: &span, error = %e, "prepared transfer failed");
+        }
         bump(&inner.counters, |c| {
             if result.is_ok() {
                 c.transfers_ok += 1
