@@ -180,7 +180,7 @@ pub struct TransferStats {
 pub struct PreparedTransfer {
     engine: u64,
     conn: ConnId,
-    qpn: u32,
+    epoch: u64,
     op: Op,
     plan: Plan,
     regions: SmallVec<[Region; 2]>,
@@ -278,6 +278,9 @@ fn recv_wr_id(conn: u32, index: u32) -> u64 {
 }
 
 struct Conn {
+    /// Unique per engine, unlike the slab id (reused after a close) and the QP number (which a
+    /// device may reuse): what a [`PreparedTransfer`] is bound to.
+    epoch: u64,
     qp: Arc<QueuePair>,
     psn: u32,
     status: ConnStatus,
@@ -374,6 +377,8 @@ pub(crate) struct Inner {
     msg_region: Region,
     msg_free: Rc<RefCell<Vec<u32>>>,
     msg_waiters: RefCell<Vec<Waker>>,
+    /// Connections made so far: each gets the next number as its epoch.
+    conn_epochs: Cell<u64>,
     /// Plans of finished postings, reused so a transfer allocates no request list.
     plans: RefCell<Vec<Plan>>,
 }
@@ -458,6 +463,7 @@ impl Engine {
             msg_region: Region::new(msg_buf, id),
             msg_free: Rc::new(RefCell::new((0..64).rev().collect())),
             msg_waiters: RefCell::new(Vec::new()),
+            conn_epochs: Cell::new(0),
             plans: RefCell::new(Vec::new()),
             cfg,
             pd,
@@ -615,7 +621,10 @@ impl Engine {
         qp.post_recv_in(&mut r, recv_region.nic_slice())?;
         st.qpn_to_conn.push((qp.qpn(), id));
         let max_inline = u64::from(qp.capabilities().max_inline_data);
+        let epoch = self.inner.conn_epochs.get() + 1;
+        self.inner.conn_epochs.set(epoch);
         entry.insert(Conn {
+            epoch,
             max_inline,
             qp,
             psn,
@@ -834,11 +843,11 @@ impl Engine {
         remote: &RemoteDescList,
     ) -> Result<PreparedTransfer, TransferError> {
         let mut plan = Plan::default();
-        let qpn = check_and_plan(&self.inner, conn, op, local, remote, false, &mut plan)?;
+        let epoch = check_and_plan(&self.inner, conn, op, local, remote, false, &mut plan)?;
         Ok(PreparedTransfer {
             engine: self.inner.id,
             conn,
-            qpn,
+            epoch,
             op,
             plan,
             regions: local.regions().iter().cloned().collect(),
@@ -1369,7 +1378,7 @@ impl Inner {
 }
 
 /// Checks `conn` and the local side of a transfer against this engine and plans it into `plan`.
-/// Returns the connection's queue pair number (a prepared transfer is bound to it).
+/// Returns the connection's epoch (a prepared transfer is bound to it).
 fn check_and_plan(
     inner: &Inner,
     conn: ConnId,
@@ -1378,8 +1387,8 @@ fn check_and_plan(
     remote: &RemoteDescList,
     notify_imm: bool,
     plan: &mut Plan,
-) -> Result<u32, TransferError> {
-    let (qp, max_msg) = {
+) -> Result<u64, TransferError> {
+    let (qp, max_msg, epoch) = {
         let st = inner.state.borrow();
         let c = st
             .conns
@@ -1388,7 +1397,7 @@ fn check_and_plan(
         if let ConnStatus::Failed(why) = &c.status {
             return Err(TransferError::Connection(conn.0, why.clone()));
         }
-        (Arc::clone(&c.qp), c.max_msg)
+        (Arc::clone(&c.qp), c.max_msg, c.epoch)
     };
     // Most transfers use one or two regions: no heap allocation for them.
     let mut regions: SmallVec<[RegionInfo; 4]> = SmallVec::new();
@@ -1422,7 +1431,7 @@ fn check_and_plan(
         &remote.0,
         inner.limits(op, &qp, max_msg),
     )?;
-    Ok(qp.qpn())
+    Ok(epoch)
 }
 
 async fn transfer_inner(
@@ -1488,7 +1497,7 @@ async fn post_prepared(
         if let ConnStatus::Failed(why) = &c.status {
             return Err(TransferError::Connection(p.conn.0, why.clone()));
         }
-        if c.qp.qpn() != p.qpn {
+        if c.epoch != p.epoch {
             return Err(TransferError::Connection(
                 p.conn.0,
                 "prepared for a connection that is gone".into(),
