@@ -11,8 +11,8 @@ use rixl_verbs::{Endpoint, HostBuffer};
 
 use crate::desc::{LocalDescList, Op, Region, RemoteDescList};
 use crate::engine::{
-    next_engine_id, ConnId, Engine, EngineConfig, EngineCounters, Message, TransferOptions,
-    TransferStats,
+    next_engine_id, ConnId, Engine, EngineConfig, EngineCounters, Message, PreparedTransfer,
+    TransferOptions, TransferStats,
 };
 use crate::error::{RuntimeError, TransferError};
 use crate::file::{FileCounters, FileDesc, FileError, FileId, FileInfo, FileSpec, FileStore};
@@ -36,6 +36,18 @@ enum Command {
         opts: TransferOptions,
         reply: Reply<Result<TransferStats, TransferError>>,
     },
+    PrepareTransfer {
+        conn: ConnId,
+        op: Op,
+        local: LocalDescList,
+        remote: RemoteDescList,
+        reply: Reply<Result<PreparedTransfer, TransferError>>,
+    },
+    PostPrepared(
+        std::sync::Arc<PreparedTransfer>,
+        TransferOptions,
+        Reply<Result<TransferStats, TransferError>>,
+    ),
     Send(
         ConnId,
         Vec<u8>,
@@ -260,6 +272,47 @@ impl EngineHandle {
         .unwrap_or(Err(TransferError::EngineGone))
     }
 
+    /// Checks and plans a READ or WRITE once on the engine's core; see [`Engine::prepare`].
+    /// Post the result with [`EngineHandle::post`] (from any thread, any number of times).
+    ///
+    /// # Errors
+    /// As [`Engine::prepare`].
+    pub async fn prepare_transfer(
+        &self,
+        conn: ConnId,
+        op: Op,
+        local: LocalDescList,
+        remote: RemoteDescList,
+    ) -> Result<std::sync::Arc<PreparedTransfer>, TransferError> {
+        ask(&self.tx, |reply| Command::PrepareTransfer {
+            conn,
+            op,
+            local,
+            remote,
+            reply,
+        })
+        .await
+        .unwrap_or(Err(TransferError::EngineGone))
+        .map(std::sync::Arc::new)
+    }
+
+    /// Posts a prepared transfer once more; see [`Engine::post`].
+    ///
+    /// # Errors
+    /// As [`Engine::post`].
+    pub async fn post(
+        &self,
+        prepared: &std::sync::Arc<PreparedTransfer>,
+        opts: TransferOptions,
+    ) -> Result<TransferStats, TransferError> {
+        let prepared = std::sync::Arc::clone(prepared);
+        ask(&self.tx, |reply| {
+            Command::PostPrepared(prepared, opts, reply)
+        })
+        .await
+        .unwrap_or(Err(TransferError::EngineGone))
+    }
+
     /// RDMA WRITE; see [`Engine::write`].
     ///
     /// # Errors
@@ -450,6 +503,26 @@ async fn serve(
             } => match e {
                 Some(e) => spawn(async move {
                     let _ = reply.send(e.transfer(conn, op, &local, &remote, opts).await);
+                }),
+                None => {
+                    let _ = reply.send(Err(TransferError::NoNic));
+                }
+            },
+            Command::PrepareTransfer {
+                conn,
+                op,
+                local,
+                remote,
+                reply,
+            } => {
+                let _ = reply.send(match e {
+                    Some(e) => e.prepare(conn, op, &local, &remote),
+                    None => Err(TransferError::NoNic),
+                });
+            }
+            Command::PostPrepared(p, opts, reply) => match e {
+                Some(e) => spawn(async move {
+                    let _ = reply.send(e.post(&p, opts).await);
                 }),
                 None => {
                     let _ = reply.send(Err(TransferError::NoNic));

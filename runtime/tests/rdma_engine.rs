@@ -634,6 +634,41 @@ fn prepared_transfers_repost_the_same_blocks_and_refuse_stale_use() {
 }
 
 #[test]
+fn prepared_transfers_through_a_handle_repost_from_another_thread() {
+    let cfg = config();
+    let Some((pool, h, mut peer, conn)) = connected_pool(
+        "prepared_transfers_through_a_handle_repost_from_another_thread",
+        &cfg,
+    ) else {
+        return;
+    };
+    let region = block_on(h.register(REGION)).expect("register");
+    let n = 200u64;
+    let (local, remote) = scattered_lists(&region, &peer, n);
+    let write = block_on(h.prepare_transfer(conn, Op::Write, local, remote)).expect("prepare");
+    assert_eq!(write.bytes(), n * BLOCK);
+    // Posted from two threads in turn; each round's contents land whole.
+    for round in 0..2u64 {
+        let mut data = vec![0u8; REGION];
+        fill(&mut data, 500 + round);
+        region.write_at(0, &data).expect("fill");
+        let (h2, w2) = (h.clone(), std::sync::Arc::clone(&write));
+        let st = std::thread::spawn(move || block_on(h2.post(&w2, TransferOptions::default())))
+            .join()
+            .expect("poster thread")
+            .expect("post");
+        assert_eq!(st.bytes, n * BLOCK);
+        let got: u64 = peer.cmd(&format!("sum {n}")).parse().expect("sum");
+        assert_eq!(got, region_sum(&region, n, local_slot), "round {round}");
+    }
+    block_on(h.close_connection(conn));
+    let r = block_on(h.post(&write, TransferOptions::default()));
+    assert!(matches!(r, Err(TransferError::Connection(..))), "{r:?}");
+    peer.finish();
+    pool.shutdown();
+}
+
+#[test]
 fn a_stalled_peer_ends_in_the_timeout_error_not_a_hang() {
     let mut cfg = config();
     cfg.connect.timeout = 20; // ~4.3 s per transport retry: the transfer deadline comes first
