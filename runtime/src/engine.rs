@@ -819,13 +819,7 @@ impl Engine {
             }
             Err(e) => tracing::debug!(parent: &span, error = %e, "transfer failed"),
         }
-        bump(&inner.counters, |c| {
-            if result.is_ok() {
-                c.transfers_ok += 1
-            } else {
-                c.transfers_failed += 1
-            }
-        });
+        inner.count_result(result.is_ok());
         result
     }
 
@@ -882,13 +876,7 @@ impl Engine {
         if let Err(e) = &result {
             tracing::debug!(parent: &span, error = %e, "prepared transfer failed");
         }
-        bump(&inner.counters, |c| {
-            if result.is_ok() {
-                c.transfers_ok += 1
-            } else {
-                c.transfers_failed += 1
-            }
-        });
+        inner.count_result(result.is_ok());
         result
     }
 
@@ -1067,6 +1055,17 @@ impl Inner {
             return Poll::Pending;
         }
         self.state.borrow_mut().inflight.poll(slot, cx)
+    }
+
+    /// Counts a finished transfer as succeeded or failed.
+    fn count_result(&self, ok: bool) {
+        bump(&self.counters, |c| {
+            if ok {
+                c.transfers_ok += 1
+            } else {
+                c.transfers_failed += 1
+            }
+        });
     }
 
     /// Keeps `plan`'s allocations for the next transfer.

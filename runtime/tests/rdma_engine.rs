@@ -227,12 +227,7 @@ fn one_block_writes(
 
 #[test]
 fn concurrent_small_transfers_share_doorbells_and_completions() {
-    if require_or_skip(
-        "concurrent_small_transfers_share_doorbells_and_completions",
-        || rixl_verbs::DeviceList::new().and_then(|l| l.find(None).map(|_| ())),
-    )
-    .is_none()
-    {
+    if !have_device("concurrent_small_transfers_share_doorbells_and_completions") {
         return;
     }
     let mut data = vec![0u8; REGION];
@@ -401,6 +396,22 @@ fn on_executor(
         .expect("executor thread");
 }
 
+/// Whether an RDMA device can be opened; prints why `test` skips otherwise.
+fn have_device(test: &str) -> bool {
+    require_or_skip(test, || {
+        rixl_verbs::DeviceList::new().and_then(|l| l.find(None).map(|_| ()))
+    })
+    .is_some()
+}
+
+/// An engine of [`config`] connected to a freshly spawned peer process.
+async fn engine_with_peer() -> (Engine, Peer, ConnId) {
+    let engine = Engine::open(config()).await.expect("engine");
+    let mut peer = Peer::spawn("target");
+    let conn = connect_local(&engine, &mut peer).await;
+    (engine, peer, conn)
+}
+
 async fn connect_local(engine: &Engine, peer: &mut Peer) -> ConnId {
     peer.ctl.send_str("connect");
     let theirs = Endpoint::from_bytes(&peer.ctl.recv()).expect("peer endpoint");
@@ -427,19 +438,12 @@ async fn settle(engine: &Engine, until: impl Fn(&Engine) -> bool) {
 
 #[test]
 fn dropped_or_forgotten_futures_never_free_memory_in_flight() {
-    if require_or_skip(
-        "dropped_or_forgotten_futures_never_free_memory_in_flight",
-        || rixl_verbs::DeviceList::new().and_then(|l| l.find(None).map(|_| ())),
-    )
-    .is_none()
-    {
+    if !have_device("dropped_or_forgotten_futures_never_free_memory_in_flight") {
         return;
     }
     on_executor(|| {
         Box::pin(async {
-            let engine = Engine::open(config()).await.expect("engine");
-            let mut peer = Peer::spawn("target");
-            let conn = connect_local(&engine, &mut peer).await;
+            let (engine, mut peer, conn) = engine_with_peer().await;
             let region = engine.register(16 << 20).await.expect("register");
             let mut data = vec![0u8; 16 << 20];
             fill(&mut data, 42);
@@ -512,19 +516,12 @@ fn dropped_or_forgotten_futures_never_free_memory_in_flight() {
 
 #[test]
 fn prepared_transfers_repost_the_same_blocks_and_refuse_stale_use() {
-    if require_or_skip(
-        "prepared_transfers_repost_the_same_blocks_and_refuse_stale_use",
-        || rixl_verbs::DeviceList::new().and_then(|l| l.find(None).map(|_| ())),
-    )
-    .is_none()
-    {
+    if !have_device("prepared_transfers_repost_the_same_blocks_and_refuse_stale_use") {
         return;
     }
     on_executor(|| {
         Box::pin(async {
-            let engine = Engine::open(config()).await.expect("engine");
-            let mut peer = Peer::spawn("target");
-            let conn = connect_local(&engine, &mut peer).await;
+            let (engine, mut peer, conn) = engine_with_peer().await;
             let region = engine.register(REGION).await.expect("register");
             let n = 1000u64;
             let (local, remote) = scattered_lists(&region, &peer, n);
@@ -916,12 +913,7 @@ async fn engine_pair(cfg: &EngineConfig) -> (Engine, Engine, ConnId, ConnId) {
 
 #[test]
 fn flags_written_by_rdma_signal_arrival_and_small_inline_writes_land_intact() {
-    if require_or_skip(
-        "flags_written_by_rdma_signal_arrival_and_small_inline_writes_land_intact",
-        || rixl_verbs::DeviceList::new().and_then(|l| l.find(None).map(|_| ())),
-    )
-    .is_none()
-    {
+    if !have_device("flags_written_by_rdma_signal_arrival_and_small_inline_writes_land_intact") {
         return;
     }
     on_executor(|| {
