@@ -443,7 +443,7 @@ fn dropped_or_forgotten_futures_never_free_memory_in_flight() {
     }
     on_executor(|| {
         Box::pin(async {
-            let (engine, mut peer, conn) = engine_with_peer().await;
+            let (engine, peer, conn) = engine_with_peer().await;
             let region = engine.register(16 << 20).await.expect("register");
             let mut data = vec![0u8; 16 << 20];
             fill(&mut data, 42);
