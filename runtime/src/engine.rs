@@ -383,11 +383,12 @@ pub(crate) struct Inner {
     plans: RefCell<Vec<Plan>>,
 }
 
-/// Plans kept for reuse; a larger one (a huge descriptor list) is dropped instead.
+/// Plans kept for reuse.
 const KEPT_PLANS: usize = 8;
+/// A plan with more requests or entries than this (a huge descriptor list) is dropped, not kept.
+const KEPT_PLAN_ENTRIES: usize = 4096;
 /// Completions a waiting future reaps at once.
 const REAP_NOW_BATCH: usize = 8;
-const KEPT_PLAN_ENTRIES: usize = 4096;
 
 static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
 
@@ -1029,17 +1030,23 @@ impl Inner {
     fn reap_now(&self) -> usize {
         let mut wcs = [WorkCompletion::default(); REAP_NOW_BATCH];
         let n = self.cq.poll(&mut wcs).unwrap_or(0);
-        if n > 0 {
-            self.quiet_polls.set(0);
-            bump(&self.counters, |c| {
-                c.polls += 1;
-                c.completions += n as u64;
-            });
-            for wc in &wcs[..n] {
-                self.route(wc);
-            }
-        }
+        self.route_polled(&wcs[..n]);
         n
+    }
+
+    /// Counts and routes the completions of one CQ poll (none: nothing happens).
+    fn route_polled(&self, wcs: &[WorkCompletion]) {
+        if wcs.is_empty() {
+            return;
+        }
+        self.quiet_polls.set(0);
+        bump(&self.counters, |c| {
+            c.polls += 1;
+            c.completions += wcs.len() as u64;
+        });
+        for wc in wcs {
+            self.route(wc);
+        }
     }
 
     /// Polls in-flight `slot`: its result if it has one, else after reaping what the CQ holds.
@@ -1055,6 +1062,19 @@ impl Inner {
             return Poll::Pending;
         }
         self.state.borrow_mut().inflight.poll(slot, cx)
+    }
+
+    /// `f` of connection `conn` if it exists and has not failed.
+    fn live_conn<T>(&self, conn: u32, f: impl FnOnce(&Conn) -> T) -> Result<T, TransferError> {
+        let st = self.state.borrow();
+        let c = st
+            .conns
+            .get(conn as usize)
+            .ok_or_else(|| TransferError::Connection(conn, "unknown".into()))?;
+        if let ConnStatus::Failed(why) = &c.status {
+            return Err(TransferError::Connection(conn, why.clone()));
+        }
+        Ok(f(c))
     }
 
     /// Counts a finished transfer as succeeded or failed.
@@ -1376,6 +1396,14 @@ impl Inner {
     }
 }
 
+/// A WRITE_WITH_IMM notification needs a WRITE.
+fn check_notify(op: Op, notify_imm: bool) -> Result<(), TransferError> {
+    if notify_imm && op == Op::Read {
+        return Err(TransferError::Post("notify_imm needs a WRITE".into()));
+    }
+    Ok(())
+}
+
 /// Checks `conn` and the local side of a transfer against this engine and plans it into `plan`.
 /// Returns the connection's epoch (a prepared transfer is bound to it).
 fn check_and_plan(
@@ -1387,17 +1415,9 @@ fn check_and_plan(
     notify_imm: bool,
     plan: &mut Plan,
 ) -> Result<u64, TransferError> {
-    let (qp, max_msg, epoch) = {
-        let st = inner.state.borrow();
-        let c = st
-            .conns
-            .get(conn.0 as usize)
-            .ok_or_else(|| TransferError::Connection(conn.0, "unknown".into()))?;
-        if let ConnStatus::Failed(why) = &c.status {
-            return Err(TransferError::Connection(conn.0, why.clone()));
-        }
-        (Arc::clone(&c.qp), c.max_msg, c.epoch)
-    };
+    check_notify(op, notify_imm)?;
+    let (qp, max_msg, epoch) =
+        inner.live_conn(conn.0, |c| (Arc::clone(&c.qp), c.max_msg, c.epoch))?;
     // Most transfers use one or two regions: no heap allocation for them.
     let mut regions: SmallVec<[RegionInfo; 4]> = SmallVec::new();
     for (i, r) in local.regions().iter().enumerate() {
@@ -1419,9 +1439,6 @@ fn check_and_plan(
             len: r.len(),
             lkey: r.lkey(),
         });
-    }
-    if notify_imm && op == Op::Read {
-        return Err(TransferError::Post("notify_imm needs a WRITE".into()));
     }
     plan::plan_into(
         plan,
@@ -1487,24 +1504,12 @@ async fn post_prepared(
     if p.engine != inner.id {
         return Err(InvalidDescriptor::ForeignRegion { index: 0 }.into());
     }
-    {
-        let st = inner.state.borrow();
-        let c = st
-            .conns
-            .get(p.conn.0 as usize)
-            .ok_or_else(|| TransferError::Connection(p.conn.0, "unknown".into()))?;
-        if let ConnStatus::Failed(why) = &c.status {
-            return Err(TransferError::Connection(p.conn.0, why.clone()));
-        }
-        if c.epoch != p.epoch {
-            return Err(TransferError::Connection(
-                p.conn.0,
-                "prepared for a connection that is gone".into(),
-            ));
-        }
-    }
-    if opts.notify_imm.is_some() && p.op == Op::Read {
-        return Err(TransferError::Post("notify_imm needs a WRITE".into()));
+    check_notify(p.op, opts.notify_imm.is_some())?;
+    if inner.live_conn(p.conn.0, |c| c.epoch)? != p.epoch {
+        return Err(TransferError::Connection(
+            p.conn.0,
+            "prepared for a connection that is gone".into(),
+        ));
     }
     let (guard, doorbells) = post_plan(inner, p.conn, p.op, &p.plan, &p.regions, opts).await;
     let posted = clock();
@@ -1840,7 +1845,7 @@ async fn post_single(
     inner.credits(conn.0).await?;
     let msg_region = inner.msg_region.clone();
     let slot = inner.state.borrow_mut().inflight.insert(conn.0, keep);
-    let mut guard = SlotGuard {
+    let guard = SlotGuard {
         inner: Rc::clone(&inner),
         slot,
         armed: true,
@@ -1877,8 +1882,7 @@ async fn post_single(
     }
     inner.state.borrow_mut().inflight.end_posting(slot);
     inner.kick_progress();
-    let r = poll_fn(|cx| inner.poll_slot(slot, cx)).await;
-    guard.armed = false;
+    let r = wait_slot(guard).await;
     // A freed message slot may unblock a waiting sender.
     for w in inner.msg_waiters.borrow_mut().drain(..) {
         w.wake();
@@ -1907,14 +1911,7 @@ async fn progress(inner: Rc<Inner>) {
             }
         };
         if n > 0 {
-            inner.quiet_polls.set(0);
-            bump(&inner.counters, |c| {
-                c.polls += 1;
-                c.completions += n as u64;
-            });
-            for wc in &wcs[..n] {
-                inner.route(wc);
-            }
+            inner.route_polled(&wcs[..n]);
             // Let the woken futures run.
             futures_lite::future::yield_now().await;
             continue;

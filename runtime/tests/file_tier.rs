@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use futures_lite::future::block_on;
 use rixl_runtime::{
-    EngineConfig, EngineHandle, EnginePool, FileDesc, FileError, FileMode, FileSpec,
-    InvalidDescriptor, LocalDescList, Op, Region, RuntimeError, TransferError,
+    EngineConfig, EngineHandle, EnginePool, FileDesc, FileError, FileId, FileMode, FileSpec,
+    InvalidDescriptor, LocalDescList, Op, Region, RuntimeError, TransferError, TransferStats,
 };
 
 const IO_MEMORY: usize = 1 << 20;
@@ -49,6 +49,23 @@ fn list(r: &Region, pieces: &[(u64, u64)]) -> LocalDescList {
         l.push(r, o, n);
     }
     l
+}
+
+/// One transfer of `len` bytes between the start of `r` and the start of `file`.
+fn whole<'a>(
+    h: &'a EngineHandle,
+    file: FileId,
+    op: Op,
+    r: &Region,
+    len: u64,
+) -> impl Future<Output = Result<TransferStats, TransferError>> + use<'a> {
+    h.file_transfer(
+        file,
+        op,
+        list(r, &[(0, len)]),
+        vec![FileDesc::new(0, len)],
+        None,
+    )
 }
 
 fn file_err(e: TransferError) -> FileError {
@@ -199,15 +216,7 @@ fn bad_requests_are_typed_and_write_nothing() {
             .unwrap();
         let src = h.register(1 << 20).await.unwrap();
         fill(&src, 9);
-        h.file_transfer(
-            f.id,
-            Op::Write,
-            list(&src, &[(0, 1 << 20)]),
-            vec![FileDesc::new(0, 1 << 20)],
-            None,
-        )
-        .await
-        .unwrap();
+        whole(&h, f.id, Op::Write, &src, 1 << 20).await.unwrap();
         let good = std::fs::read(&path).unwrap();
         let ios_before = h.file_counters().await.unwrap().ios;
         let junk = h.register(1 << 20).await.unwrap();
@@ -337,29 +346,12 @@ fn bad_requests_are_typed_and_write_nothing() {
             .unwrap();
         assert_eq!(g.size, 1 << 20);
         let dst = h.register(1 << 20).await.unwrap();
-        h.file_transfer(
-            g.id,
-            Op::Read,
-            list(&dst, &[(0, 1 << 20)]),
-            vec![FileDesc::new(0, 1 << 20)],
-            None,
-        )
-        .await
-        .unwrap();
+        whole(&h, g.id, Op::Read, &dst, 1 << 20).await.unwrap();
         assert_eq!(contents(&dst, 0, 1 << 20), good);
 
         // A closed id is unknown.
         h.close_file(g.id);
-        let e = h
-            .file_transfer(
-                g.id,
-                Op::Read,
-                list(&dst, &[(0, 4096)]),
-                vec![FileDesc::new(0, 4096)],
-                None,
-            )
-            .await
-            .unwrap_err();
+        let e = whole(&h, g.id, Op::Read, &dst, 4096).await.unwrap_err();
         assert!(matches!(file_err(e), FileError::UnknownFile(_)));
 
         // Truncated behind our back: the read comes up short, typed.
@@ -369,16 +361,7 @@ fn bad_requests_are_typed_and_write_nothing() {
             .unwrap()
             .set_len(8192)
             .unwrap();
-        let e = h
-            .file_transfer(
-                f.id,
-                Op::Read,
-                list(&dst, &[(0, 65536)]),
-                vec![FileDesc::new(0, 65536)],
-                None,
-            )
-            .await
-            .unwrap_err();
+        let e = whole(&h, f.id, Op::Read, &dst, 65536).await.unwrap_err();
         assert!(matches!(
             file_err(e),
             FileError::ShortRead {
@@ -391,16 +374,7 @@ fn bad_requests_are_typed_and_write_nothing() {
 
         // Deleted after registration: refused, so no data goes to an unlinked inode.
         std::fs::remove_file(&path).unwrap();
-        let e = h
-            .file_transfer(
-                f.id,
-                Op::Write,
-                list(&src, &[(0, 4096)]),
-                vec![FileDesc::new(0, 4096)],
-                None,
-            )
-            .await
-            .unwrap_err();
+        let e = whole(&h, f.id, Op::Write, &src, 4096).await.unwrap_err();
         assert!(matches!(file_err(e), FileError::Deleted { .. }));
 
         // RDMA calls on a core without a NIC are typed too.
@@ -455,13 +429,7 @@ fn timeout_and_dropped_futures_keep_memory_alive_and_finish() {
         // A dropped future: the transfer still runs to the end with its own handle on `src2`.
         let src2 = h.register(size as usize).await.unwrap();
         fill(&src2, 6);
-        let fut = h.file_transfer(
-            f.id,
-            Op::Write,
-            list(&src2, &[(0, size)]),
-            vec![FileDesc::new(0, size)],
-            None,
-        );
+        let fut = whole(&h, f.id, Op::Write, &src2, size);
         let mut fut = Box::pin(fut);
         let waker =
             futures_lite::future::poll_fn(|cx| std::task::Poll::Ready(cx.waker().clone())).await;
@@ -540,15 +508,7 @@ fn full_file_system_is_typed_and_corrupts_nothing() {
             .unwrap();
         let src = h.register(4 << 20).await.unwrap();
         fill(&src, 11);
-        h.file_transfer(
-            f.id,
-            Op::Write,
-            list(&src, &[(0, 1 << 20)]),
-            vec![FileDesc::new(0, 1 << 20)],
-            None,
-        )
-        .await
-        .unwrap();
+        whole(&h, f.id, Op::Write, &src, 1 << 20).await.unwrap();
         let good = std::fs::read(&a).unwrap();
         assert_eq!(good, contents(&src, 0, 1 << 20));
         // Reserving more than is left fails at registration and leaves no file behind.
@@ -567,31 +527,14 @@ fn full_file_system_is_typed_and_corrupts_nothing() {
             .open_file(FileSpec::new(&c, 4 << 20, FileMode::Open))
             .await
             .unwrap();
-        let e = h
-            .file_transfer(
-                g.id,
-                Op::Write,
-                list(&src, &[(0, 4 << 20)]),
-                vec![FileDesc::new(0, 4 << 20)],
-                None,
-            )
-            .await
-            .unwrap_err();
+        let e = whole(&h, g.id, Op::Write, &src, 4 << 20).await.unwrap_err();
         assert!(
             matches!(file_err(e.clone()), FileError::NoSpace { .. }),
             "{e:?}"
         );
         assert_eq!(std::fs::read(&a).unwrap(), good);
         let dst = h.register(1 << 20).await.unwrap();
-        h.file_transfer(
-            f.id,
-            Op::Read,
-            list(&dst, &[(0, 1 << 20)]),
-            vec![FileDesc::new(0, 1 << 20)],
-            None,
-        )
-        .await
-        .unwrap();
+        whole(&h, f.id, Op::Read, &dst, 1 << 20).await.unwrap();
         assert_eq!(contents(&dst, 0, 1 << 20), good);
     });
     pool.shutdown();
@@ -611,16 +554,7 @@ fn a_core_without_a_nic_uses_the_file_settings_it_was_given() {
             .await
             .unwrap();
         let src = h.register(1 << 20).await.unwrap();
-        let st = h
-            .file_transfer(
-                f.id,
-                Op::Write,
-                list(&src, &[(0, 1 << 20)]),
-                vec![FileDesc::new(0, 1 << 20)],
-                None,
-            )
-            .await
-            .unwrap();
+        let st = whole(&h, f.id, Op::Write, &src, 1 << 20).await.unwrap();
         assert_eq!(
             st.work_requests, 16,
             "1 MiB in I/Os of the configured 64 KiB"
