@@ -165,19 +165,9 @@ fn decode_reads_scattered_kv_blocks_and_notifies_prefill() {
     p.ctl.send_str("notify decode hello-from-prefill");
     assert_eq!(p.ctl.recv_str(), "ok");
     let mut notifs = decode.notifications().expect("stream");
-    // Wait up to 10 s for it (a blocking sleep raced against the stream would only see a
-    // notification that was already there at the first poll).
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let got = loop {
-        if let Some(n) = block_on(futures_lite::future::poll_once(notifs.next())) {
-            break n;
-        }
-        assert!(Instant::now() < deadline, "no notification within 10 s");
-        std::thread::sleep(Duration::from_millis(5));
-    };
     assert_eq!(
-        got,
-        Some(("prefill".to_string(), b"hello-from-prefill".to_vec()))
+        next_notification(&mut notifs),
+        ("prefill".to_string(), b"hello-from-prefill".to_vec())
     );
     p.finish();
     decode.shutdown();
@@ -403,6 +393,150 @@ fn agents_meet_through_etcd_and_a_departed_peer_is_invalidated_then_rejoins() {
     decode.shutdown();
 }
 
+/// The next notification, waited for up to 10 s (a blocking sleep raced against the stream
+/// would only see a notification that was already there at the first poll).
+fn next_notification(notifs: &mut rixl::agent::Notifications) -> rixl::agent::Notification {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(n) = block_on(futures_lite::future::poll_once(notifs.next())) {
+            return n.expect("notification stream ended");
+        }
+        assert!(Instant::now() < deadline, "no notification within 10 s");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn prepared_requests_repost_scattered_blocks_and_refuse_stale_metadata() {
+    if agent_device().is_none() {
+        return;
+    }
+    let make = |name: &str, cpu: usize| {
+        let mut cfg = AgentConfig::default();
+        cfg.cpu = cpu % rixl::runtime::available_cpus().len();
+        Agent::new(name, cfg).expect("agent")
+    };
+    let target = make("req-target", 1);
+    let len = BLOCKS * BLOCK;
+    let kv = block_on(target.register(len as usize, Visibility::All)).expect("register");
+    let spare = block_on(target.register(BLOCK as usize, Visibility::All)).expect("register");
+    let mut notes = target.notifications().expect("stream");
+    let addr = target.listen("127.0.0.1:0").expect("listen").to_string();
+    let me = make("req-source", 0);
+    let peer = me.fetch_remote_metadata(&addr).expect("metadata");
+    let mine = block_on(me.register(len as usize, Visibility::All)).expect("register");
+    // 256 local blocks in order, written to a scattered permutation of the peer's blocks
+    // (97 is prime to 512: every destination differs, and no two neighbours are adjacent).
+    let n = 256u64;
+    let dest: Vec<u64> = (0..n).map(|i| (i * 97 + 13) % BLOCKS).collect();
+    let mut local = LocalDescList::new();
+    for i in 0..n {
+        local.push(mine.region(), i * BLOCK, BLOCK);
+    }
+    let remote: Vec<RemoteRef> = dest
+        .iter()
+        .map(|&b| RemoteRef {
+            region: kv.id(),
+            offset: b * BLOCK,
+            len: BLOCK,
+        })
+        .collect();
+    let write = block_on(me.prepare_request(&peer, Op::Write, &local, &remote)).expect("prepare");
+    assert_eq!(
+        (write.bytes(), write.rails(), write.op()),
+        (n * BLOCK, 1, Op::Write)
+    );
+    let mut block = vec![0u8; BLOCK as usize];
+    for round in 0..3u64 {
+        let mut data = vec![0u8; (n * BLOCK) as usize];
+        fill(&mut data, 100 + round);
+        mine.region().write_at(0, &data).expect("fill");
+        let note = format!("round {round}");
+        let st = block_on(me.post_request(&write, Some(note.as_bytes()))).expect("post");
+        assert_eq!((st.bytes, st.descriptors), (n * BLOCK, n as usize));
+        // The notification comes after every block: each one is in place when it arrives.
+        assert_eq!(
+            next_notification(&mut notes),
+            ("req-source".to_string(), note.into_bytes())
+        );
+        for (i, &b) in dest.iter().enumerate() {
+            kv.region().read_at(b * BLOCK, &mut block).expect("peer");
+            let want = &data[i * BLOCK as usize..(i + 1) * BLOCK as usize];
+            assert!(block == want, "round {round}: block {i} at peer block {b}");
+        }
+    }
+    // A prepared READ brings the peer's blocks back in the local order.
+    let mut fresh = vec![0u8; len as usize];
+    fill(&mut fresh, 55);
+    kv.region().write_at(0, &fresh).expect("peer fill");
+    let read = block_on(me.prepare_request(&peer, Op::Read, &local, &remote)).expect("prepare");
+    block_on(me.post_request(&read, None)).expect("read");
+    for (i, &b) in dest.iter().enumerate() {
+        mine.region()
+            .read_at(i as u64 * BLOCK, &mut block)
+            .expect("local");
+        let at = (b * BLOCK) as usize;
+        assert!(block == fresh[at..at + BLOCK as usize], "read block {i}");
+    }
+    // Bad input is refused when preparing.
+    let out_of_range = [RemoteRef {
+        region: kv.id(),
+        offset: len - 8,
+        len: 16,
+    }];
+    let mut one = LocalDescList::new();
+    one.push(mine.region(), 0, 16);
+    assert!(matches!(
+        block_on(me.prepare_request(&peer, Op::Write, &one, &out_of_range)),
+        Err(AgentError::RemoteOutOfRange { .. })
+    ));
+    let unknown = [RemoteRef {
+        region: 999,
+        offset: 0,
+        len: 16,
+    }];
+    assert!(matches!(
+        block_on(me.prepare_request(&peer, Op::Write, &one, &unknown)),
+        Err(AgentError::UnknownRegion { .. })
+    ));
+    // A request on a region the peer later drops is stale once we load its new metadata; the
+    // others still post. Nothing of a stale request is posted.
+    let mut first = LocalDescList::new();
+    first.push(mine.region(), 0, BLOCK);
+    let to_spare = [RemoteRef {
+        region: spare.id(),
+        offset: 0,
+        len: BLOCK,
+    }];
+    let spare_req =
+        block_on(me.prepare_request(&peer, Op::Write, &first, &to_spare)).expect("prepare");
+    block_on(me.post_request(&spare_req, None)).expect("post to the spare region");
+    drop(spare);
+    me.fetch_remote_metadata(&addr).expect("metadata again");
+    let before = block_on(me.rail_counters())[0].work_requests;
+    assert!(matches!(
+        block_on(me.post_request(&spare_req, None)),
+        Err(AgentError::StaleMetadata(p)) if p == peer
+    ));
+    assert_eq!(
+        block_on(me.rail_counters())[0].work_requests,
+        before,
+        "nothing posted"
+    );
+    block_on(me.post_request(&write, None)).expect("unaffected request still posts");
+    // A forgotten peer: its requests end with UnknownPeer.
+    block_on(me.invalidate_remote(&peer));
+    assert!(matches!(
+        block_on(me.post_request(&write, None)),
+        Err(AgentError::UnknownPeer(_))
+    ));
+    report(&format!(
+        "prepared requests: {n} scattered 16 KiB blocks posted 3x with notifications and read back, verified; stale and unknown-peer posts refused"
+    ));
+    me.shutdown();
+    target.shutdown();
+}
+
 /// Reads KV block `block` of the prefill region `kv` into the start of `local` and checks it.
 fn read_and_check(
     decode: &Agent,
@@ -572,6 +706,26 @@ fn large_transfers_are_striped_over_two_rails_and_verified() {
     let mut back = vec![0u8; len as usize];
     src.region().read_at(0, &mut back).expect("read back");
     assert!(back == changed, "striped WRITE delivered every byte");
+    // A prepared request stripes the same way: planned once per rail, posted twice.
+    let req = block_on(b.prepare_request(&peer, Op::Read, &local, &remote)).expect("prepare");
+    assert_eq!(req.rails(), 2, "a prepared 32 MiB request uses both rails");
+    for seed in [21u64, 22] {
+        fill(&mut data, seed);
+        src.region().write_at(0, &data).expect("refill peer");
+        let before = block_on(b.rail_counters());
+        let st = block_on(b.post_request(&req, None)).expect("prepared striped read");
+        assert_eq!(st.bytes, len);
+        dst.region().read_at(0, &mut got).expect("read back");
+        assert!(got == data, "prepared striped READ delivered every byte");
+        let after = block_on(b.rail_counters());
+        assert!(
+            after
+                .iter()
+                .zip(&before)
+                .all(|(x, y)| x.work_requests > y.work_requests),
+            "both rails carried the prepared request"
+        );
+    }
     // A small transfer stays on rail 0.
     let before = block_on(b.rail_counters());
     let mut small = LocalDescList::new();

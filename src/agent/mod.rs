@@ -20,8 +20,8 @@ use futures_channel::mpsc;
 
 use crate::runtime::{
     ConnId, EngineConfig, EngineHandle, EnginePool, FileDesc, FileError, FileInfo, FileSpec,
-    LocalDescList, Message, Op, Region, RemoteDesc, RemoteDescList, RuntimeError, TransferError,
-    TransferOptions, TransferStats, DEFAULT_IO_MEMORY,
+    LocalDescList, Message, Op, PreparedTransfer, Region, RemoteDesc, RemoteDescList, RuntimeError,
+    TransferError, TransferOptions, TransferStats, DEFAULT_IO_MEMORY,
 };
 use metadata::{AgentMetadata, MemKind, MetadataError, RegionInfo, MAX_RAILS};
 
@@ -243,6 +243,72 @@ impl PreparedRemote {
             .collect::<Result<Vec<_>, _>>()
             .map(RemoteDescList)
     }
+}
+
+/// A transfer with a peer checked and planned once by [`Agent::prepare_request`], posted any
+/// number of times by [`Agent::post_request`] (NIXL's prepared transfer request).
+#[derive(Debug)]
+pub struct TransferRequest {
+    peer: String,
+    op: Op,
+    /// The peer's metadata generation it was made from.
+    generation: u64,
+    /// (region id, remote key) of every peer region it uses, checked at each post.
+    keys: Vec<(u64, u32)>,
+    bytes: u64,
+    descriptors: usize,
+    path: RequestPath,
+}
+
+impl TransferRequest {
+    /// The peer.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// READ or WRITE.
+    pub fn op(&self) -> Op {
+        self.op
+    }
+
+    /// Bytes moved by one post.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Rails one post uses (0 on the same-node GPU path).
+    pub fn rails(&self) -> usize {
+        match &self.path {
+            RequestPath::Rdma(parts) => parts.len(),
+            RequestPath::Planned { .. } => 0,
+        }
+    }
+}
+
+#[derive(Debug)]
+enum RequestPath {
+    /// RDMA: one prepared transfer per rail it uses (rail 0 alone unless striped).
+    Rdma(Vec<(usize, Arc<PreparedTransfer>)>),
+    /// The same-node GPU path (CUDA IPC copies), planned at each post.
+    Planned {
+        local: LocalDescList,
+        remote: RemoteDescList,
+    },
+}
+
+/// The sum of a striped transfer's per-rail results (the first error if any failed).
+fn sum_stats(
+    results: Vec<Result<TransferStats, TransferError>>,
+) -> Result<TransferStats, AgentError> {
+    let mut total = TransferStats::default();
+    for r in results {
+        let st = r?;
+        total.bytes += st.bytes;
+        total.descriptors += st.descriptors;
+        total.work_requests += st.work_requests;
+        total.doorbells += st.doorbells;
+    }
+    Ok(total)
 }
 
 /// Who may see a registration in this agent's metadata.
@@ -980,9 +1046,34 @@ impl Agent {
         remote: &RemoteDescList,
         rails: usize,
     ) -> Result<TransferStats, AgentError> {
+        let mut futs = Vec::with_capacity(rails);
+        for (rail, conn, l, r) in self.rail_parts(peer, local, remote, rails).await? {
+            let engine = self.inner.rail_engine(rail).clone();
+            futs.push(Box::pin(async move {
+                engine
+                    .transfer(conn, op, l, r, TransferOptions::default())
+                    .await
+            }));
+        }
+        tracing::debug!(agent = %self.inner.name, %peer, rails = futs.len(), bytes = local.total_len(), "striped transfer");
+        let mut st = sum_stats(crate::runtime::join_all(futs).await)?;
+        st.descriptors = local.len();
+        Ok(st)
+    }
+
+    /// A striped transfer's parts: (rail, connection, local part on that rail's registrations,
+    /// remote part with that rail's keys), connecting rails on first use. Empty parts are left
+    /// out.
+    async fn rail_parts(
+        &self,
+        peer: &str,
+        local: &LocalDescList,
+        remote: &RemoteDescList,
+        rails: usize,
+    ) -> Result<Vec<(usize, ConnId, LocalDescList, RemoteDescList)>, AgentError> {
         let parts = crate::runtime::desc::split_stream(local, remote, rails, STRIPE_SLICE);
         let rkeys = self.inner.peer_rkeys(peer)?;
-        let mut futs = Vec::with_capacity(rails);
+        let mut out = Vec::with_capacity(rails);
         for (rail, (l, r)) in parts.into_iter().enumerate() {
             if l.is_empty() {
                 continue;
@@ -993,33 +1084,114 @@ impl Agent {
                 (self.inner.on_rail(&l, rail)?, remap_rkeys(&r, &rkeys, rail))
             };
             let conn = sidechannel::ensure_rail(&self.inner, peer, rail).await?;
-            let engine = self.inner.rail_engine(rail).clone();
-            futs.push(Box::pin(async move {
-                engine
-                    .transfer(conn, op, l, r, TransferOptions::default())
-                    .await
-            }));
+            out.push((rail, conn, l, r));
         }
-        tracing::debug!(agent = %self.inner.name, %peer, rails = futs.len(), bytes = local.total_len(), "striped transfer");
-        let mut total = TransferStats::default();
-        let mut first_err = None;
-        for r in crate::runtime::join_all(futs).await {
-            match r {
-                Ok(st) => {
-                    total.bytes += st.bytes;
-                    total.descriptors += st.descriptors;
-                    total.work_requests += st.work_requests;
-                    total.doorbells += st.doorbells;
-                }
-                Err(e) => {
-                    first_err.get_or_insert(e);
-                }
+        Ok(out)
+    }
+
+    /// Checks, resolves and plans a READ or WRITE with `peer` once, for [`Self::post_request`]
+    /// to post any number of times (NIXL's `createXferReq` + `postXferReq`): weights sent to
+    /// the same actor every step, a fixed KV layout, a layer-by-layer stream. Validation,
+    /// region lookup, the path choice, multi-rail striping and work-request planning are done
+    /// here; a post only checks that the peer's metadata is still the one it was made from and
+    /// rings the doorbells. Connections are made here if needed.
+    ///
+    /// The request keeps its local regions registered while it lives. It is bound to the
+    /// peer's metadata and connections as they are now: once the peer re-joins (new metadata),
+    /// drops a region it uses, or its connection fails, posting it gives a typed error
+    /// ([`AgentError::StaleMetadata`], or a [`TransferError::Connection`]) and it must be
+    /// prepared again.
+    ///
+    /// # Errors
+    /// As [`Self::write`]: [`AgentError::UnknownPeer`], [`AgentError::UnknownRegion`],
+    /// [`AgentError::RemoteOutOfRange`], invalid local descriptors, or a connection error.
+    pub async fn prepare_request(
+        &self,
+        peer: &str,
+        op: Op,
+        local: &LocalDescList,
+        remote: &[RemoteRef],
+    ) -> Result<TransferRequest, AgentError> {
+        let remote_list = self.inner.resolve(peer, remote)?;
+        let (generation, keys) = self.inner.region_keys(peer, remote)?;
+        let path = if self.inner.ipc_plan(peer, local, &remote_list).is_some() {
+            RequestPath::Planned {
+                local: local.clone(),
+                remote: remote_list,
             }
+        } else {
+            let rails = self.inner.shared_rails(peer);
+            let parts = if rails > 1 && local.total_len() >= STRIPE_MIN {
+                self.rail_parts(peer, local, &remote_list, rails).await?
+            } else {
+                let conn = sidechannel::ensure_connection(&self.inner, peer).await?;
+                vec![(0, conn, local.clone(), remote_list)]
+            };
+            let mut prepared = Vec::with_capacity(parts.len());
+            for (rail, conn, l, r) in parts {
+                let p = self
+                    .inner
+                    .rail_engine(rail)
+                    .prepare_transfer(conn, op, l, r)
+                    .await?;
+                prepared.push((rail, p));
+            }
+            RequestPath::Rdma(prepared)
+        };
+        Ok(TransferRequest {
+            peer: peer.to_string(),
+            op,
+            generation,
+            keys,
+            bytes: local.total_len(),
+            descriptors: local.len(),
+            path,
+        })
+    }
+
+    /// Posts a prepared request once more and waits for it; with `notification`, the peer
+    /// receives it after every descriptor has completed (as [`Self::transfer`]).
+    ///
+    /// # Errors
+    /// [`AgentError::StaleMetadata`] if the peer's metadata changed since the request was
+    /// prepared (it re-joined, or no longer has a region the request uses: nothing is posted),
+    /// [`AgentError::UnknownPeer`] if the peer was invalidated; otherwise as [`Self::transfer`].
+    pub async fn post_request(
+        &self,
+        req: &TransferRequest,
+        notification: Option<&[u8]>,
+    ) -> Result<TransferStats, AgentError> {
+        self.inner
+            .check_keys(&req.peer, req.generation, &req.keys)?;
+        let parts = match &req.path {
+            RequestPath::Planned { local, remote } => {
+                return self
+                    .post(
+                        &req.peer,
+                        req.op,
+                        local.clone(),
+                        remote.clone(),
+                        notification,
+                    )
+                    .await;
+            }
+            RequestPath::Rdma(parts) => parts,
+        };
+        let futs: Vec<_> = parts
+            .iter()
+            .map(|(rail, p)| {
+                let engine = self.inner.rail_engine(*rail).clone();
+                let p = Arc::clone(p);
+                Box::pin(async move { engine.post(&p, TransferOptions::default()).await })
+            })
+            .collect();
+        let mut st = sum_stats(crate::runtime::join_all(futs).await)?;
+        st.descriptors = req.descriptors;
+        if let Some(msg) = notification {
+            let conn = sidechannel::ensure_connection(&self.inner, &req.peer).await?;
+            self.notify_on(conn, msg).await?;
         }
-        match first_err {
-            Some(e) => Err(e.into()),
-            None => Ok(total),
-        }
+        Ok(st)
     }
 
     /// Resolves and checks `remote` against `peer`'s metadata once, for index-based requests.
@@ -1253,6 +1425,61 @@ impl Inner {
             .get(peer)
             .and_then(|p| p.metadata.as_ref().map(|m| m.generation))
             .ok_or_else(|| AgentError::UnknownPeer(peer.to_string()))
+    }
+
+    /// The peer's metadata generation and the (id, remote key) of each region `remote` uses.
+    fn region_keys(
+        &self,
+        peer: &str,
+        remote: &[RemoteRef],
+    ) -> Result<(u64, Vec<(u64, u32)>), AgentError> {
+        let peers = lock(&self.peers);
+        let p = peers
+            .get(peer)
+            .ok_or_else(|| AgentError::UnknownPeer(peer.to_string()))?;
+        let generation = p
+            .metadata
+            .as_ref()
+            .map(|m| m.generation)
+            .ok_or_else(|| AgentError::UnknownPeer(peer.to_string()))?;
+        let mut keys: Vec<(u64, u32)> = Vec::new();
+        for r in remote {
+            if keys.iter().any(|k| k.0 == r.region) {
+                continue;
+            }
+            let info = p
+                .regions
+                .get(&r.region)
+                .ok_or_else(|| AgentError::UnknownRegion {
+                    peer: peer.to_string(),
+                    region: r.region,
+                })?;
+            keys.push((r.region, info.rkey));
+        }
+        Ok((generation, keys))
+    }
+
+    /// Whether the peer's metadata is still `generation` and still grants every region of
+    /// `keys` with the same key.
+    fn check_keys(
+        &self,
+        peer: &str,
+        generation: u64,
+        keys: &[(u64, u32)],
+    ) -> Result<(), AgentError> {
+        let peers = lock(&self.peers);
+        let p = peers
+            .get(peer)
+            .ok_or_else(|| AgentError::UnknownPeer(peer.to_string()))?;
+        let same = p.metadata.as_ref().map(|m| m.generation) == Some(generation)
+            && keys
+                .iter()
+                .all(|(id, rkey)| p.regions.get(id).map(|r| r.rkey) == Some(*rkey));
+        if same {
+            Ok(())
+        } else {
+            Err(AgentError::StaleMetadata(peer.to_string()))
+        }
     }
 
     /// Maps a peer's region references to remote descriptors, checking ranges.
