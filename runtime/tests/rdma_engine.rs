@@ -269,13 +269,31 @@ fn concurrent_small_transfers_share_doorbells_and_completions() {
             let doorbells = after.doorbells - before.doorbells;
             let completions = after.completions - before.completions;
             report(&format!(
-                "{n} concurrent 1-descriptor WRITEs: {doorbells} doorbells, {completions} completions"
+                "{n} concurrent 1-descriptor WRITEs: {doorbells} doorbells, {completions} completions, {} queued for a shared doorbell",
+                after.queued - before.queued
             ));
             assert_eq!(after.work_requests - before.work_requests, n);
             // One flush per tick posts up to `post_batch` (64) requests per doorbell and signals
             // every 8th: at least 16 requests per doorbell and 4 per completion.
             assert!(doorbells * 16 <= n, "doorbells were shared: {doorbells}");
             assert!(completions * 4 <= n, "signals were shared: {completions}");
+            // A lone transfer (the first of its progress turn) is posted at once, not queued
+            // for the end of the turn.
+            glommio::timer::sleep(std::time::Duration::from_millis(5)).await;
+            let before = engine.counters();
+            let mut l = LocalDescList::new();
+            l.push(&region, 0, BLOCK);
+            let r = RemoteDescList(vec![peer.remote(0, BLOCK)]);
+            engine.write(conn, &l, &r).await.expect("lone write");
+            let after = engine.counters();
+            assert_eq!(
+                (
+                    after.queued - before.queued,
+                    after.doorbells - before.doorbells
+                ),
+                (0, 1),
+                "a lone transfer is posted at once"
+            );
             peer.finish();
             engine.shutdown().await;
         })

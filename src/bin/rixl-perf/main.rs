@@ -708,7 +708,9 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                 }
             }
             c.oob.send("DONE")?;
+            let counters = c.engine.counters();
             c.engine.shutdown().await;
+            tracing::debug!(?counters, "client engine counters");
             Ok((rows, awaits))
         })
     })?
