@@ -59,9 +59,9 @@ def tool_cmds(tool, test, size, iters, post_list, rixl, extra=()):
 
 def tuned_flags(test, size, post_list):
     """rixl-perf's opt-in engine features for a row, or None: prepared transfers (checked and
-    planned once, re-posted) for WRITE bandwidth and latency up to 64 KiB, plus coalesced
-    doorbells for one-descriptor WRITE bandwidth."""
-    if test == "write_bw" and post_list == 1 and size <= 65536:
+    planned once, re-posted) for READ/WRITE bandwidth up to 64 KiB and write latency, plus
+    coalesced doorbells for one-descriptor READ/WRITE bandwidth."""
+    if test in ("write_bw", "read_bw") and post_list == 1 and size <= 65536:
         return ["--prepared", "--coalesce"]
     if test == "write_lat":
         return ["--prepared"]

@@ -296,6 +296,15 @@ enum RequestPath {
     },
 }
 
+/// Remote references resolved against a peer's metadata.
+struct Resolved {
+    descs: RemoteDescList,
+    /// The peer's metadata generation.
+    generation: u64,
+    /// (region id, remote key) of every region the references use.
+    keys: Vec<(u64, u32)>,
+}
+
 /// The sum of a striped transfer's per-rail results (the first error if any failed).
 fn sum_stats(
     results: Vec<Result<TransferStats, TransferError>>,
@@ -922,7 +931,7 @@ impl Agent {
         remote: &[RemoteRef],
         notification: Option<&[u8]>,
     ) -> Result<TransferStats, AgentError> {
-        let remote = self.inner.resolve(peer, remote)?;
+        let remote = self.inner.resolve(peer, remote)?.descs;
         self.post(peer, op, local.clone(), remote, notification)
             .await
     }
@@ -1112,8 +1121,11 @@ impl Agent {
         local: &LocalDescList,
         remote: &[RemoteRef],
     ) -> Result<TransferRequest, AgentError> {
-        let remote_list = self.inner.resolve(peer, remote)?;
-        let (generation, keys) = self.inner.region_keys(peer, remote)?;
+        let Resolved {
+            descs: remote_list,
+            generation,
+            keys,
+        } = self.inner.resolve(peer, remote)?;
         let path = if self.inner.ipc_plan(peer, local, &remote_list).is_some() {
             RequestPath::Planned {
                 local: local.clone(),
@@ -1203,8 +1215,10 @@ impl Agent {
         peer: &str,
         remote: &[RemoteRef],
     ) -> Result<PreparedRemote, AgentError> {
-        let descs = self.inner.resolve(peer, remote)?.0;
-        let generation = self.inner.peer_generation(peer)?;
+        let Resolved {
+            descs, generation, ..
+        } = self.inner.resolve(peer, remote)?;
+        let descs = descs.0;
         Ok(PreparedRemote {
             peer: peer.to_string(),
             generation,
@@ -1427,38 +1441,6 @@ impl Inner {
             .ok_or_else(|| AgentError::UnknownPeer(peer.to_string()))
     }
 
-    /// The peer's metadata generation and the (id, remote key) of each region `remote` uses.
-    fn region_keys(
-        &self,
-        peer: &str,
-        remote: &[RemoteRef],
-    ) -> Result<(u64, Vec<(u64, u32)>), AgentError> {
-        let peers = lock(&self.peers);
-        let p = peers
-            .get(peer)
-            .ok_or_else(|| AgentError::UnknownPeer(peer.to_string()))?;
-        let generation = p
-            .metadata
-            .as_ref()
-            .map(|m| m.generation)
-            .ok_or_else(|| AgentError::UnknownPeer(peer.to_string()))?;
-        let mut keys: Vec<(u64, u32)> = Vec::new();
-        for r in remote {
-            if keys.iter().any(|k| k.0 == r.region) {
-                continue;
-            }
-            let info = p
-                .regions
-                .get(&r.region)
-                .ok_or_else(|| AgentError::UnknownRegion {
-                    peer: peer.to_string(),
-                    region: r.region,
-                })?;
-            keys.push((r.region, info.rkey));
-        }
-        Ok((generation, keys))
-    }
-
     /// Whether the peer's metadata is still `generation` and still grants every region of
     /// `keys` with the same key.
     fn check_keys(
@@ -1482,14 +1464,16 @@ impl Inner {
         }
     }
 
-    /// Maps a peer's region references to remote descriptors, checking ranges.
-    fn resolve(&self, peer: &str, remote: &[RemoteRef]) -> Result<RemoteDescList, AgentError> {
+    /// Maps a peer's region references to remote descriptors, checking ranges; also returns
+    /// the peer's metadata generation and the (id, remote key) of every region they use.
+    fn resolve(&self, peer: &str, remote: &[RemoteRef]) -> Result<Resolved, AgentError> {
         let peers = lock(&self.peers);
-        let p = peers
+        let (p, generation) = peers
             .get(peer)
-            .filter(|p| p.metadata.is_some())
+            .and_then(|p| p.metadata.as_ref().map(|m| (p, m.generation)))
             .ok_or_else(|| AgentError::UnknownPeer(peer.to_string()))?;
         let mut out = Vec::with_capacity(remote.len());
+        let mut keys: Vec<(u64, u32)> = Vec::new();
         for (index, r) in remote.iter().enumerate() {
             let info = p
                 .regions
@@ -1510,13 +1494,20 @@ impl Inner {
                     })
                 }
             }
+            if !keys.iter().any(|k| k.0 == r.region) {
+                keys.push((r.region, info.rkey));
+            }
             out.push(RemoteDesc {
                 addr: info.addr + r.offset,
                 len: r.len,
                 rkey: info.rkey,
             });
         }
-        Ok(RemoteDescList(out))
+        Ok(Resolved {
+            descs: RemoteDescList(out),
+            generation,
+            keys,
+        })
     }
 
     /// Delivers messages arriving on `conn` from `peer` to the notification stream until the
