@@ -2,8 +2,9 @@
 //! actors pull each version as soon as they are notified.
 //!
 //! The learner registers its weights and serves metadata on a side channel. Each actor fetches the
-//! metadata, says "ready" (a notification), and then for every "version N" notification reads the
-//! whole weight region (1 MiB descriptors, one transfer), verifies it and answers "got N".
+//! metadata, prepares one READ request for the whole weight region (1 MiB descriptors; NIXL's
+//! `createXferReq`), says "ready" (a notification), and then for every "version N" notification
+//! posts that request again, verifies the weights and answers "got N".
 //!
 //! ```text
 //! weight_stream learner --listen 0.0.0.0:7100 --actors 2 [--versions 3] [--mib 32]
@@ -16,7 +17,7 @@ use std::time::{Duration, Instant};
 use futures_lite::future::block_on;
 use futures_lite::StreamExt;
 use rixl::agent::{Agent, AgentConfig, RemoteRef, Visibility};
-use rixl::runtime::LocalDescList;
+use rixl::runtime::{LocalDescList, Op};
 
 mod common;
 
@@ -109,6 +110,8 @@ fn actor(args: &[String]) -> Result<(), BoxError> {
             len: CHUNK,
         });
     }
+    // Checked, resolved and planned once; every version only posts it.
+    let pull = block_on(agent.prepare_request(&peer, Op::Read, &list, &remote))?;
     let mut notifs = agent.notifications().ok_or("stream taken")?;
     block_on(agent.notify(&peer, b"ready"))?;
     let mut buf = vec![0u8; CHUNK as usize];
@@ -120,7 +123,7 @@ fn actor(args: &[String]) -> Result<(), BoxError> {
             .ok_or("unexpected notification")?
             .parse()?;
         let t = Instant::now();
-        block_on(agent.read(&peer, &list, &remote))?;
+        block_on(agent.post_request(&pull, None))?;
         let took = t.elapsed();
         for c in 0..bytes / CHUNK {
             local.region().read_at(c * CHUNK, &mut buf)?;
