@@ -1532,6 +1532,51 @@ impl Inner {
     }
 }
 
+/// A request is made on one thread and posted from any (an agent is shared by a serving
+/// engine's threads): checked when this compiles.
+const _: fn() = || {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<TransferRequest>();
+    send_sync::<Agent>();
+};
+
+#[cfg(test)]
+mod request_tests {
+    use super::*;
+
+    fn stats(bytes: u64, descriptors: usize, work_requests: usize) -> TransferStats {
+        let mut st = TransferStats::default();
+        st.bytes = bytes;
+        st.descriptors = descriptors;
+        st.work_requests = work_requests;
+        st.doorbells = 1;
+        st
+    }
+
+    #[test]
+    fn rail_results_add_up_and_a_failed_rail_fails_the_transfer() {
+        let total = sum_stats(vec![Ok(stats(3 << 20, 3, 3)), Ok(stats(2 << 20, 2, 2))])
+            .expect("both rails ok");
+        assert_eq!(
+            (
+                total.bytes,
+                total.descriptors,
+                total.work_requests,
+                total.doorbells
+            ),
+            (5 << 20, 5, 5, 2)
+        );
+        let failed = sum_stats(vec![
+            Ok(stats(1, 1, 1)),
+            Err(TransferError::Timeout(std::time::Duration::from_secs(1))),
+        ]);
+        assert!(matches!(
+            failed,
+            Err(AgentError::Transfer(TransferError::Timeout(_)))
+        ));
+    }
+}
+
 #[cfg(test)]
 mod ipc_tests {
     use super::*;
