@@ -196,6 +196,9 @@ fn a_killed_peer_ends_the_transfer_with_an_error_and_a_rejoined_peer_works() {
         len: BLOCK,
     }];
     block_on(decode.read("prefill", &list, &one)).expect("read while alive");
+    // A prepared request made while the peer lives.
+    let req = block_on(decode.prepare_request("prefill", Op::Read, &list, &one)).expect("prepare");
+    block_on(decode.post_request(&req, None)).expect("prepared read while alive");
     let kv = prefill.kv;
     prefill.kill();
     let mut all = LocalDescList::new();
@@ -222,16 +225,49 @@ fn a_killed_peer_ends_the_transfer_with_an_error_and_a_rejoined_peer_works() {
         "killed peer: {} after {took:?}",
         r.expect_err("error")
     ));
+    // The prepared request on the failed connection ends at once with a typed error.
+    let t0 = Instant::now();
+    let r = block_on(decode.post_request(&req, None));
+    assert!(
+        matches!(r, Err(AgentError::Transfer(TransferError::Connection(..)))),
+        "{r:?}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
     // Invalidate, then a restarted prefill (new generation, new address) is reached afresh.
     block_on(decode.invalidate_remote("prefill"));
     assert!(matches!(
         block_on(decode.read("prefill", &list, &one)),
         Err(AgentError::UnknownPeer(_))
     ));
+    assert!(matches!(
+        block_on(decode.post_request(&req, None)),
+        Err(AgentError::UnknownPeer(_))
+    ));
     let again = spawn_prefill();
     decode
         .fetch_remote_metadata(&again.addr)
         .expect("fetch again");
+    // The old request was made from the old metadata: stale, nothing posted. A new one works.
+    assert!(matches!(
+        block_on(decode.post_request(&req, None)),
+        Err(AgentError::StaleMetadata(p)) if p == "prefill"
+    ));
+    let block3 = [RemoteRef {
+        region: again.kv,
+        offset: 3 * BLOCK,
+        len: BLOCK,
+    }];
+    let fresh = block_on(decode.prepare_request("prefill", Op::Read, &list, &block3))
+        .expect("prepare again");
+    block_on(decode.post_request(&fresh, None)).expect("prepared read after re-join");
+    let mut buf = vec![0u8; BLOCK as usize];
+    local.region().read_at(0, &mut buf).expect("local");
+    assert!(
+        buf.iter()
+            .enumerate()
+            .all(|(k, &x)| x == pattern(SEED, (3 * BLOCK) as usize + k)),
+        "block 3 through the new request"
+    );
     read_and_check(&decode, &list, local.region(), again.kv, 3);
     again.finish();
     decode.shutdown();
