@@ -388,7 +388,8 @@ pub(crate) struct Inner {
     conn_epochs: Cell<u64>,
     /// Plans of finished postings, reused so a transfer allocates no request list.
     plans: RefCell<Vec<Plan>>,
-    /// Progress-loop iterations so far (a turn of the executor, for coalescing).
+    /// Progress-loop iterations so far: a turn of the executor (for coalescing), and every 32nd
+    /// reads the clock.
     turn: Cell<u64>,
 }
 
@@ -1427,8 +1428,8 @@ fn check_and_plan(
     plan: &mut Plan,
 ) -> Result<u64, TransferError> {
     check_notify(op, notify_imm)?;
-    let (qp, max_msg, epoch) =
-        inner.live_conn(conn.0, |c| (Arc::clone(&c.qp), c.max_msg, c.epoch))?;
+    let (limits, epoch) =
+        inner.live_conn(conn.0, |c| (inner.limits(op, &c.qp, c.max_msg), c.epoch))?;
     // Most transfers use one or two regions: no heap allocation for them.
     let mut regions: SmallVec<[RegionInfo; 4]> = SmallVec::new();
     for (i, r) in local.regions().iter().enumerate() {
@@ -1451,13 +1452,7 @@ fn check_and_plan(
             lkey: r.lkey(),
         });
     }
-    plan::plan_into(
-        plan,
-        &regions,
-        local.descs(),
-        &remote.0,
-        inner.limits(op, &qp, max_msg),
-    )?;
+    plan::plan_into(plan, &regions, local.descs(), &remote.0, limits)?;
     Ok(epoch)
 }
 
@@ -1923,13 +1918,12 @@ async fn post_single(
 /// (yielding) only while work is in flight, parks when nothing is.
 async fn progress(inner: Rc<Inner>) {
     let mut wcs = vec![WorkCompletion::default(); inner.cfg.poll_batch.max(1)];
-    let mut iteration = 0u32;
     loop {
-        iteration = iteration.wrapping_add(1);
-        inner.turn.set(inner.turn.get() + 1);
+        let turn = inner.turn.get() + 1;
+        inner.turn.set(turn);
         // Read the clock only every few iterations (clock reads are syscalls on some clock
         // sources); event-mode iterations are slow anyway.
-        let tick = iteration.is_multiple_of(32) || inner.cfg.poll_mode == PollMode::Event;
+        let tick = turn.is_multiple_of(32) || inner.cfg.poll_mode == PollMode::Event;
         if tick {
             inner.clock.set(Some(Instant::now()));
         }
@@ -1974,7 +1968,6 @@ async fn progress(inner: Rc<Inner>) {
             // Park until a submitter kicks us: no CPU while idle.
             bump(&inner.counters, |c| c.parks += 1);
             inner.clock.set(None);
-            iteration = 0;
             {
                 // Nothing is in flight: no deadline can matter any more.
                 let mut st = inner.state.borrow_mut();

@@ -296,15 +296,6 @@ enum RequestPath {
     },
 }
 
-/// Remote references resolved against a peer's metadata.
-struct Resolved {
-    descs: RemoteDescList,
-    /// The peer's metadata generation.
-    generation: u64,
-    /// (region id, remote key) of every region the references use.
-    keys: Vec<(u64, u32)>,
-}
-
 /// The sum of a striped transfer's per-rail results (the first error if any failed).
 fn sum_stats(
     results: Vec<Result<TransferStats, TransferError>>,
@@ -931,7 +922,7 @@ impl Agent {
         remote: &[RemoteRef],
         notification: Option<&[u8]>,
     ) -> Result<TransferStats, AgentError> {
-        let remote = self.inner.resolve(peer, remote)?.descs;
+        let remote = self.inner.resolve(peer, remote, None)?.0;
         self.post(peer, op, local.clone(), remote, notification)
             .await
     }
@@ -1121,11 +1112,8 @@ impl Agent {
         local: &LocalDescList,
         remote: &[RemoteRef],
     ) -> Result<TransferRequest, AgentError> {
-        let Resolved {
-            descs: remote_list,
-            generation,
-            keys,
-        } = self.inner.resolve(peer, remote)?;
+        let mut keys = Vec::new();
+        let (remote_list, generation) = self.inner.resolve(peer, remote, Some(&mut keys))?;
         let path = if self.inner.ipc_plan(peer, local, &remote_list).is_some() {
             RequestPath::Planned {
                 local: local.clone(),
@@ -1215,9 +1203,7 @@ impl Agent {
         peer: &str,
         remote: &[RemoteRef],
     ) -> Result<PreparedRemote, AgentError> {
-        let Resolved {
-            descs, generation, ..
-        } = self.inner.resolve(peer, remote)?;
+        let (descs, generation) = self.inner.resolve(peer, remote, None)?;
         let descs = descs.0;
         Ok(PreparedRemote {
             peer: peer.to_string(),
@@ -1465,15 +1451,20 @@ impl Inner {
     }
 
     /// Maps a peer's region references to remote descriptors, checking ranges; also returns
-    /// the peer's metadata generation and the (id, remote key) of every region they use.
-    fn resolve(&self, peer: &str, remote: &[RemoteRef]) -> Result<Resolved, AgentError> {
+    /// the peer's metadata generation and, with `keys`, collects the (id, remote key) of every
+    /// region they use (for prepared requests; a plain transfer does not need them).
+    fn resolve(
+        &self,
+        peer: &str,
+        remote: &[RemoteRef],
+        mut keys: Option<&mut Vec<(u64, u32)>>,
+    ) -> Result<(RemoteDescList, u64), AgentError> {
         let peers = lock(&self.peers);
         let (p, generation) = peers
             .get(peer)
             .and_then(|p| p.metadata.as_ref().map(|m| (p, m.generation)))
             .ok_or_else(|| AgentError::UnknownPeer(peer.to_string()))?;
         let mut out = Vec::with_capacity(remote.len());
-        let mut keys: Vec<(u64, u32)> = Vec::new();
         for (index, r) in remote.iter().enumerate() {
             let info = p
                 .regions
@@ -1494,8 +1485,10 @@ impl Inner {
                     })
                 }
             }
-            if !keys.iter().any(|k| k.0 == r.region) {
-                keys.push((r.region, info.rkey));
+            if let Some(keys) = keys.as_deref_mut() {
+                if !keys.iter().any(|k| k.0 == r.region) {
+                    keys.push((r.region, info.rkey));
+                }
             }
             out.push(RemoteDesc {
                 addr: info.addr + r.offset,
@@ -1503,11 +1496,7 @@ impl Inner {
                 rkey: info.rkey,
             });
         }
-        Ok(Resolved {
-            descs: RemoteDescList(out),
-            generation,
-            keys,
-        })
+        Ok((RemoteDescList(out), generation))
     }
 
     /// Delivers messages arriving on `conn` from `peer` to the notification stream until the
