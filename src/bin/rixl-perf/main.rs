@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 mod args;
+mod cycles;
 mod file;
 mod oob;
 mod stats;
@@ -420,11 +421,9 @@ async fn bw_run(
     let next = Rc::new(Cell::new(0u64));
     let times = Rc::new(RefCell::new(Vec::with_capacity(iters as usize)));
     let deadline = a.duration.map(|d| t0 + d);
-    // TSC clock for the stamps (as perftest uses get_cycles): std's clock is a syscall on some
-    // clock sources (the HPET of an emulated guest).
-    let q0 = quanta::Instant::now()
-        .checked_sub(t0.elapsed())
-        .unwrap_or_else(quanta::Instant::now);
+    // Stamps are cycle-counter readings (see `cycles`), turned into seconds since `t0` at the end.
+    let sw = cycles::Stopwatch::start();
+    let offset = t0.elapsed().as_secs_f64();
     let op = match a.test {
         Test::ReadBw => Op::Read,
         _ => Op::Write,
@@ -471,9 +470,7 @@ async fn bw_run(
                 };
                 if !more {
                     if unstamped > 0 {
-                        times
-                            .borrow_mut()
-                            .push((q0.elapsed().as_secs_f64(), unstamped));
+                        times.borrow_mut().push((cycles::ticks(), unstamped));
                     }
                     return Ok::<(), String>(());
                 }
@@ -486,9 +483,7 @@ async fn bw_run(
                 }
                 unstamped += post_list;
                 if unstamped >= stamp_every {
-                    times
-                        .borrow_mut()
-                        .push((q0.elapsed().as_secs_f64(), unstamped));
+                    times.borrow_mut().push((cycles::ticks(), unstamped));
                     unstamped = 0;
                 }
             }
@@ -497,9 +492,14 @@ async fn bw_run(
     for t in tasks {
         t.await?;
     }
-    let mut v = Rc::try_unwrap(times)
+    let stamps = Rc::try_unwrap(times)
         .map_err(|_| "tasks still hold results")?
         .into_inner();
+    let rate = sw.rate();
+    let mut v: Vec<(f64, u64)> = stamps
+        .into_iter()
+        .map(|(t, n)| (offset + sw.since_start(t) as f64 / rate, n))
+        .collect();
     v.sort_by(|x, y| x.0.total_cmp(&y.0));
     Ok(v)
 }
@@ -607,7 +607,9 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                 }]);
                 let warm = (a.iters / 10).max(5);
                 let total = a.iters + warm;
-                let mut samples = Vec::with_capacity(a.iters as usize);
+                let mut samples: Vec<u64> = Vec::with_capacity(a.iters as usize);
+                let sw = cycles::Stopwatch::start();
+                let as_time = |spans: &[u64]| cycles::Stopwatch::durations(spans, sw.rate());
                 match a.test {
                     Test::ReadLat => {
                         let read = Xfer::new(
@@ -619,13 +621,13 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                             remote.clone(),
                         )?;
                         for i in 0..total {
-                            let t = quanta::Instant::now();
+                            let t = cycles::ticks();
                             read.run(&c.engine).await?;
                             if i >= warm {
-                                samples.push(t.elapsed());
+                                samples.push(cycles::ticks().wrapping_sub(t));
                             }
                         }
-                        rows.push(stats::lat_from(size, &samples, 1.0));
+                        rows.push(stats::lat_from(size, &as_time(&samples), 1.0));
                     }
                     Test::WriteLat | Test::SendLat => {
                         let notify = if a.test == Test::WriteLat {
@@ -654,7 +656,7 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                             if notify == Notify::Flag {
                                 c.region.write_at(size - 1, &[v]).map_err(s)?;
                             }
-                            let t = quanta::Instant::now();
+                            let t = cycles::ticks();
                             if a.test == Test::SendLat {
                                 c.engine.send(conn, &payload, None).await.map_err(s)?;
                             } else if notify == Notify::Flag {
@@ -678,11 +680,11 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                                 }
                             }
                             if i >= warm {
-                                samples.push(t.elapsed());
+                                samples.push(cycles::ticks().wrapping_sub(t));
                             }
                         }
                         // Ping-pong round trips, reported one-way like perftest.
-                        rows.push(stats::lat_from(size, &samples, 2.0));
+                        rows.push(stats::lat_from(size, &as_time(&samples), 2.0));
                         if a.test == Test::WriteLat {
                             // One `.await` of a WRITE: completes when the ACK is back (one round trip).
                             let mut one = Vec::with_capacity(a.iters as usize);
@@ -695,13 +697,13 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                                 remote.clone(),
                             )?;
                             for i in 0..total {
-                                let t = quanta::Instant::now();
+                                let t = cycles::ticks();
                                 write.run(&c.engine).await?;
                                 if i >= warm {
-                                    one.push(t.elapsed());
+                                    one.push(cycles::ticks().wrapping_sub(t));
                                 }
                             }
-                            awaits.push(stats::lat_from(size, &one, 1.0));
+                            awaits.push(stats::lat_from(size, &as_time(&one), 1.0));
                         }
                     }
                     _ => unreachable!("latency tests only"),
