@@ -1062,17 +1062,17 @@ impl Inner {
     }
 
     /// Polls in-flight `slot`: its result if it has one, else after reaping what the CQ holds.
+    /// The waker is registered only after the reap, so a future that reaps its own completion
+    /// does not wake itself.
     fn poll_slot(
         &self,
         slot: SlotId,
         cx: &mut std::task::Context<'_>,
     ) -> Poll<Result<(), TransferError>> {
-        if let Poll::Ready(r) = self.state.borrow_mut().inflight.poll(slot, cx) {
+        if let Poll::Ready(r) = self.state.borrow_mut().inflight.try_take(slot) {
             return Poll::Ready(r);
         }
-        if self.reap_now() == 0 {
-            return Poll::Pending;
-        }
+        self.reap_now();
         self.state.borrow_mut().inflight.poll(slot, cx)
     }
 

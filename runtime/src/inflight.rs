@@ -299,6 +299,19 @@ impl<K> InflightTable<K> {
     /// Polls a transfer: ready (and the slot released) once posting ended and nothing is
     /// outstanding, or at once (slot detached) when it expired; otherwise registers the waker.
     pub fn poll(&mut self, id: SlotId, cx: &mut Context<'_>) -> Poll<Result<(), TransferError>> {
+        self.poll_with(id, Some(cx))
+    }
+
+    /// [`InflightTable::poll`] without registering a waker: the result if `id` has one now.
+    pub fn try_take(&mut self, id: SlotId) -> Poll<Result<(), TransferError>> {
+        self.poll_with(id, None)
+    }
+
+    fn poll_with(
+        &mut self,
+        id: SlotId,
+        cx: Option<&mut Context<'_>>,
+    ) -> Poll<Result<(), TransferError>> {
         let Some(slot) = self.get_mut(id) else {
             return Poll::Ready(Err(TransferError::EngineGone));
         };
@@ -308,9 +321,11 @@ impl<K> InflightTable<K> {
             return Poll::Ready(Err(err));
         }
         if slot.posting || slot.outstanding > 0 {
-            match &slot.waker {
-                Some(w) if w.will_wake(cx.waker()) => {}
-                _ => slot.waker = Some(cx.waker().clone()),
+            if let Some(cx) = cx {
+                match &slot.waker {
+                    Some(w) if w.will_wake(cx.waker()) => {}
+                    _ => slot.waker = Some(cx.waker().clone()),
+                }
             }
             return Poll::Pending;
         }
@@ -427,6 +442,25 @@ mod tests {
         assert_eq!(t.poll(id, &mut cx), Poll::Ready(Ok(())));
         assert!(t.is_empty());
         assert_eq!(t.signaled_outstanding(), 0);
+    }
+
+    #[test]
+    fn try_take_registers_no_waker_so_reaping_ones_own_completion_wakes_nobody() {
+        let mut t = InflightTable::new();
+        let id = t.insert(0, ());
+        t.add_signaled(id, 1);
+        t.end_posting(id);
+        assert!(t.try_take(id).is_pending());
+        let (count, w) = waker();
+        let mut cx = Context::from_waker(&w);
+        let mut cq = FakeCq::default();
+        cq.complete(id, true);
+        assert_eq!(cq.drain(&mut t), vec![Routed::Finished]);
+        assert_eq!(t.poll(id, &mut cx), Poll::Ready(Ok(())));
+        assert_eq!(count.0.load(Ordering::SeqCst), 0, "no self-wake");
+        assert!(t.is_empty());
+        // A finished slot's result is taken once; the id is then gone.
+        assert_eq!(t.try_take(id), Poll::Ready(Err(TransferError::EngineGone)));
     }
 
     #[test]
