@@ -2,7 +2,7 @@
 """Side-by-side comparison of perftest and rixl-perf on the same RDMA device in ONE boot.
 
 Runs inside the rxe guest (benches/compare-perftest boots it). For every test and size it runs
-perftest and rixl-perf alternately for --rounds rounds (same sizes, iterations, tx depth and post
+perftest and rixl-perf alternately for --rounds rounds (--lat-rounds for latency; same sizes, iterations, tx depth and post
 list) and compares medians. Writes target/compare/compare.csv, compare.md and bandwidth.svg.
 """
 import argparse
@@ -147,6 +147,8 @@ def main():
     ap.add_argument("--rixl")
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--lat-rounds", type=int, default=7,
+                    help="rounds for the latency rows (short runs whose t_typical jumps between two levels from run to run in the emulated guest, for perftest as for rixl)")
     ap.add_argument("--quick", action="store_true", help="fewer sizes and iterations (smoke run)")
     ap.add_argument("--from-csv", help="only redraw the plot from an earlier compare.csv")
     a = ap.parse_args()
@@ -184,7 +186,8 @@ def main():
         res = {"perftest": [], "rixl": []}
         if tuned:
             res["tuned"] = []
-        for _ in range(a.rounds):
+        rounds = a.lat_rounds if test.endswith("_lat") else a.rounds
+        for _ in range(rounds):
             for tool in ("perftest", "rixl"):
                 res[tool].append(measure(tool, test, size, iters, pl, a.rixl))
             if tuned:
@@ -212,7 +215,7 @@ def main():
     for size in lat_sizes:
         n = 300 if a.quick else 1000
         vals, ops, imms = [], [], []
-        for _ in range(a.rounds):
+        for _ in range(a.lat_rounds):
             vals.append(await_latency(a.rixl, size, n))
             ops.append(perftest_op_time(size, 2 * n))
             imms.append(rixl_lat_imm(a.rixl, size, n))
