@@ -815,17 +815,32 @@ impl Engine {
             wrs = tracing::field::Empty
         );
         let inner = Rc::clone(&self.inner);
-        let result = transfer_inner(
-            Rc::clone(&inner),
-            conn,
-            op,
-            local,
-            remote,
-            opts,
-            span.clone(),
-        )
-        .instrument(span.clone())
-        .await;
+        // Without a debug subscriber the span is disabled: no `Instrumented` layer (a span
+        // entered and left on every poll, and one more future to move) around the transfer.
+        let result = if span.is_disabled() {
+            transfer_inner(
+                Rc::clone(&inner),
+                conn,
+                op,
+                local,
+                remote,
+                opts,
+                span.clone(),
+            )
+            .await
+        } else {
+            transfer_inner(
+                Rc::clone(&inner),
+                conn,
+                op,
+                local,
+                remote,
+                opts,
+                span.clone(),
+            )
+            .instrument(span.clone())
+            .await
+        };
         match &result {
             Ok(st) => {
                 tracing::debug!(parent: &span, total_us = st.total.as_micros() as u64, post_us = st.post.as_micros() as u64, "transfer complete")
@@ -883,9 +898,13 @@ impl Engine {
             bytes = prepared.plan.bytes,
             wrs = prepared.plan.wrs.len()
         );
-        let result = post_prepared(&inner, prepared, &opts)
-            .instrument(span.clone())
-            .await;
+        let result = if span.is_disabled() {
+            post_prepared(&inner, prepared, &opts).await
+        } else {
+            post_prepared(&inner, prepared, &opts)
+                .instrument(span.clone())
+                .await
+        };
         if let Err(e) = &result {
             tracing::debug!(parent: &span, error = %e, "prepared transfer failed");
         }
@@ -1019,6 +1038,19 @@ struct SlotGuard {
     inner: Rc<Inner>,
     slot: SlotId,
     armed: bool,
+    /// The timeout still to arm as a deadline, on the first wait: a transfer that completes
+    /// without waiting (its completion reaped by its own first poll) never touches the
+    /// deadline heap. Deadlines only end waiting futures (a detached slot does not expire).
+    timeout: Option<(u32, Duration)>,
+}
+
+impl SlotGuard {
+    /// Arms the deadline if it is not armed yet (the future is about to wait).
+    fn arm_deadline(&mut self) {
+        if let Some((conn, timeout)) = self.timeout.take() {
+            self.inner.arm_deadline(self.slot, conn, timeout);
+        }
+    }
 }
 
 impl Drop for SlotGuard {
@@ -1216,6 +1248,11 @@ impl Inner {
 
     /// Waits until `conn` has at least one free send-queue slot.
     async fn credits(&self, conn: u32) -> Result<u32, TransferError> {
+        self.credits_or(conn, || {}).await
+    }
+
+    /// [`Inner::credits`], calling `on_wait` each time it has to wait.
+    async fn credits_or(&self, conn: u32, mut on_wait: impl FnMut()) -> Result<u32, TransferError> {
         poll_fn(|cx| {
             let mut st = self.state.borrow_mut();
             let Some(c) = st.conns.get_mut(conn as usize) else {
@@ -1237,6 +1274,8 @@ impl Inner {
                 Poll::Ready(Ok(c.credits.available()))
             } else {
                 c.credit_waiters.push(cx.waker().clone());
+                drop(st);
+                on_wait();
                 Poll::Pending
             }
         })
@@ -1552,16 +1591,12 @@ async fn post_plan(
             _message: None,
         },
     );
-    let guard = SlotGuard {
+    let mut guard = SlotGuard {
         inner: Rc::clone(inner),
         slot,
         armed: true,
+        timeout: Some((conn.0, opts.timeout.unwrap_or(inner.cfg.transfer_timeout))),
     };
-    inner.arm_deadline(
-        slot,
-        conn.0,
-        opts.timeout.unwrap_or(inner.cfg.transfer_timeout),
-    );
     let job = Job {
         op,
         slot,
@@ -1585,7 +1620,7 @@ async fn post_plan(
         next = plan.wrs.len();
     }
     while next < plan.wrs.len() {
-        let free = match inner.credits(conn.0).await {
+        let free = match inner.credits_or(conn.0, || guard.arm_deadline()).await {
             Ok(f) => f as usize,
             Err(e) => {
                 post_err = Some(e);
@@ -1620,7 +1655,14 @@ async fn post_plan(
 async fn wait_slot(mut guard: SlotGuard) -> Result<(), TransferError> {
     let inner = Rc::clone(&guard.inner);
     let slot = guard.slot;
-    let result = poll_fn(|cx| inner.poll_slot(slot, cx)).await;
+    let result = poll_fn(|cx| {
+        let r = inner.poll_slot(slot, cx);
+        if r.is_pending() {
+            guard.arm_deadline();
+        }
+        r
+    })
+    .await;
     guard.armed = false;
     result
 }
@@ -1873,8 +1915,8 @@ async fn post_single(
         inner: Rc::clone(&inner),
         slot,
         armed: true,
+        timeout: Some((conn.0, inner.cfg.transfer_timeout)),
     };
-    inner.arm_deadline(slot, conn.0, inner.cfg.transfer_timeout);
     let posted = {
         let mut st = inner.state.borrow_mut();
         let State {

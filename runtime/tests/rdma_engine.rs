@@ -700,9 +700,17 @@ fn a_stalled_peer_ends_in_the_timeout_error_not_a_hang() {
     local.push(&region, 0, 1 << 20);
     let remote = RemoteDescList(vec![peer.remote(0, 1 << 20)]);
     block_on(h.write(conn, local.clone(), remote.clone())).expect("write while the peer lives");
+    // 2048 scattered 256 B blocks: more work requests than the send queue holds (512), so the
+    // transfer is still posting, waiting for send credits, when its deadline passes.
+    let mut scattered = LocalDescList::new();
+    let mut targets = Vec::new();
+    for i in 0..2048u64 {
+        scattered.push(&region, i * 512, 256);
+        targets.push(peer.remote(i * 512, 256));
+    }
     peer.kill();
     let t0 = Instant::now();
-    let r = block_on(h.write(conn, local.clone(), remote.clone()));
+    let r = block_on(h.write(conn, scattered, RemoteDescList(targets)));
     let took = t0.elapsed();
     assert_eq!(r, Err(TransferError::Timeout(Duration::from_secs(1))));
     assert!(took < Duration::from_secs(4), "timed out after {took:?}");
