@@ -817,29 +817,19 @@ impl Engine {
         let inner = Rc::clone(&self.inner);
         // Without a debug subscriber the span is disabled: no `Instrumented` layer (a span
         // entered and left on every poll, and one more future to move) around the transfer.
+        let transfer = transfer_inner(
+            Rc::clone(&inner),
+            conn,
+            op,
+            local,
+            remote,
+            opts,
+            span.clone(),
+        );
         let result = if span.is_disabled() {
-            transfer_inner(
-                Rc::clone(&inner),
-                conn,
-                op,
-                local,
-                remote,
-                opts,
-                span.clone(),
-            )
-            .await
+            transfer.await
         } else {
-            transfer_inner(
-                Rc::clone(&inner),
-                conn,
-                op,
-                local,
-                remote,
-                opts,
-                span.clone(),
-            )
-            .instrument(span.clone())
-            .await
+            transfer.instrument(span.clone()).await
         };
         match &result {
             Ok(st) => {
@@ -898,12 +888,11 @@ impl Engine {
             bytes = prepared.plan.bytes,
             wrs = prepared.plan.wrs.len()
         );
+        let post = post_prepared(&inner, prepared, &opts);
         let result = if span.is_disabled() {
-            post_prepared(&inner, prepared, &opts).await
+            post.await
         } else {
-            post_prepared(&inner, prepared, &opts)
-                .instrument(span.clone())
-                .await
+            post.instrument(span.clone()).await
         };
         if let Err(e) = &result {
             tracing::debug!(parent: &span, error = %e, "prepared transfer failed");
