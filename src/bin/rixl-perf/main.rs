@@ -609,7 +609,6 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                 let total = a.iters + warm;
                 let mut samples: Vec<u64> = Vec::with_capacity(a.iters as usize);
                 let sw = cycles::Stopwatch::start();
-                let as_time = |spans: &[u64]| cycles::Stopwatch::durations(spans, sw.rate());
                 match a.test {
                     Test::ReadLat => {
                         let read = Xfer::new(
@@ -627,7 +626,7 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                                 samples.push(cycles::ticks().wrapping_sub(t));
                             }
                         }
-                        rows.push(stats::lat_from(size, &as_time(&samples), 1.0));
+                        rows.push(stats::lat_from(size, &sw.durations(&samples), 1.0));
                     }
                     Test::WriteLat | Test::SendLat => {
                         let notify = if a.test == Test::WriteLat {
@@ -684,7 +683,7 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                             }
                         }
                         // Ping-pong round trips, reported one-way like perftest.
-                        rows.push(stats::lat_from(size, &as_time(&samples), 2.0));
+                        rows.push(stats::lat_from(size, &sw.durations(&samples), 2.0));
                         if a.test == Test::WriteLat {
                             // One `.await` of a WRITE: completes when the ACK is back (one round trip).
                             let mut one = Vec::with_capacity(a.iters as usize);
@@ -703,7 +702,7 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                                     one.push(cycles::ticks().wrapping_sub(t));
                                 }
                             }
-                            awaits.push(stats::lat_from(size, &as_time(&one), 1.0));
+                            awaits.push(stats::lat_from(size, &sw.durations(&one), 1.0));
                         }
                     }
                     _ => unreachable!("latency tests only"),
