@@ -6,7 +6,9 @@
 //!    opens the handle and copies it into its own buffer through rixl, bytes verified;
 //! 3. host<->device through pinned memory next to pageable memory;
 //! 4. the agent API between two processes on one node: a peer agent's VRAM read with
-//!    `agent.read(...)`, which the topology routes over CUDA IPC (no NIC needed), bytes verified;
+//!    `agent.read(...)`, which the topology routes over CUDA IPC (no NIC needed), then 1024
+//!    scattered 64 KiB blocks written to it in reversed order with one `agent.write`; bytes
+//!    verified;
 //! 5. GPUDirect RDMA registration (dma-buf or nvidia-peermem) when an RDMA device exists.
 //!
 //! Without a CUDA driver it prints `SKIPPED gpu_check: ...` and exits 0.
@@ -120,6 +122,63 @@ fn agent_child(args: &[String]) -> Result<(), BoxError> {
     Ok(())
 }
 
+/// A KV-handoff shape: 64 KiB blocks written to the peer's VRAM in reverse order (one
+/// descriptor per block, one `agent.write`), then the peer's whole region read back into a second
+/// region and every block checked at its new place.
+fn scattered_write(
+    a: &rixl::agent::Agent,
+    peer: &str,
+    mine: &rixl::agent::Registration,
+    region: u64,
+    len: usize,
+    ordinal: i32,
+) -> Result<(), BoxError> {
+    const BLOCK: usize = 64 << 10;
+    let blocks = (len / BLOCK).min(1024);
+    let mut local = rixl::runtime::LocalDescList::new();
+    let mut remote = Vec::with_capacity(blocks);
+    for i in 0..blocks {
+        local.push(mine.region(), (i * BLOCK) as u64, BLOCK as u64);
+        remote.push(rixl::agent::RemoteRef {
+            region,
+            offset: ((blocks - 1 - i) * BLOCK) as u64,
+            len: BLOCK as u64,
+        });
+    }
+    let t = Instant::now();
+    let st = futures_lite::future::block_on(a.write(peer, &local, &remote))?;
+    let secs = t.elapsed().as_secs_f64();
+    let back = futures_lite::future::block_on(a.register_vram(
+        ordinal,
+        len,
+        rixl::agent::Visibility::All,
+    ))?;
+    let mut whole = rixl::runtime::LocalDescList::new();
+    whole.push(back.region(), 0, len as u64);
+    let all = [rixl::agent::RemoteRef {
+        region,
+        offset: 0,
+        len: len as u64,
+    }];
+    futures_lite::future::block_on(a.read(peer, &whole, &all))?;
+    let mut host = vec![0u8; len];
+    back.region().read_at(0, &mut host)?;
+    for i in 0..blocks {
+        let at = (blocks - 1 - i) * BLOCK;
+        if let Some(k) = (0..BLOCK).find(|&k| host[at + k] != pattern(i * BLOCK + k)) {
+            return Err(format!("scattered write: block {i} byte {k} differs at the peer").into());
+        }
+    }
+    println!(
+        "  agent.write of {blocks} scattered {} KiB blocks to the peer's VRAM (reversed, {} copies): {:.1} GB/s, {:.0} descriptors/s, every block verified at its place",
+        BLOCK >> 10,
+        st.work_requests,
+        gbs(blocks * BLOCK, secs),
+        blocks as f64 / secs
+    );
+    Ok(())
+}
+
 fn agent_stage(len: usize, iters: usize, ordinal: i32) -> Result<(), BoxError> {
     use std::io::{BufRead, Write};
     let mut peer = std::process::Command::new(std::env::current_exe()?)
@@ -173,11 +232,110 @@ fn agent_stage(len: usize, iters: usize, ordinal: i32) -> Result<(), BoxError> {
         gbs(len * iters, secs),
         len >> 20
     );
+    scattered_write(&a, &name, &mine, region, len, ordinal)?;
     if let Some(mut stdin) = peer.stdin.take() {
         let _ = writeln!(stdin, "done");
     }
     let _ = peer.wait();
     a.shutdown();
+    Ok(())
+}
+
+/// 1. D2D: plain `cuMemcpyDtoD` next to rixl's copy future.
+fn d2d(
+    gpu: &Arc<Gpu>,
+    src: &Arc<DeviceMemory>,
+    dst: &Arc<DeviceMemory>,
+    len: usize,
+    iters: usize,
+) -> Result<(), BoxError> {
+    let t = Instant::now();
+    for _ in 0..iters {
+        dst.copy_from(src)?;
+    }
+    let base = gbs(len * iters, t.elapsed().as_secs_f64());
+    verify(dst, len)?;
+    dst.fill(0)?;
+    let secs = rixl_copies(gpu, dst.clone(), src.clone(), len, iters)?;
+    verify(dst, len)?;
+    let ours = gbs(len * iters, secs);
+    println!(
+        "  device-to-device {} MiB x {iters}: cuMemcpyDtoD {base:.1} GB/s, rixl copy future {ours:.1} GB/s ({:.2}x), bytes verified",
+        len >> 20,
+        ours / base
+    );
+    Ok(())
+}
+
+/// 2. CUDA IPC across processes: a child opens `src`'s handle and copies it through rixl.
+fn ipc(src: &DeviceMemory, len: usize, iters: usize, ordinal: i32) -> Result<(), BoxError> {
+    let handle = IpcHandle::export(src)?;
+    let hex: String = handle.0.iter().map(|b| format!("{b:02x}")).collect();
+    let out = std::process::Command::new(std::env::current_exe()?)
+        .args(["--child", &hex, "--mib", &(len >> 20).to_string()])
+        .args(["--iters", &iters.to_string(), "--gpu", &ordinal.to_string()])
+        .output()?;
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    if !out.status.success() {
+        return Err(format!("IPC child failed: {}", String::from_utf8_lossy(&out.stderr)).into());
+    }
+    Ok(())
+}
+
+/// 3. Host <-> device: pinned vs pageable.
+fn host_device(
+    gpu: &Arc<Gpu>,
+    dst: &DeviceMemory,
+    host: &[u8],
+    iters: usize,
+) -> Result<(), BoxError> {
+    let len = host.len();
+    let mut pinned = PinnedHostMemory::alloc(gpu, len)?;
+    pinned.as_mut_slice().copy_from_slice(host);
+    let mut pageable = host.to_vec();
+    let time =
+        |f: &mut dyn FnMut() -> Result<(), rixl::gpudirect::Error>| -> Result<f64, BoxError> {
+            let t = Instant::now();
+            for _ in 0..iters {
+                f()?;
+            }
+            Ok(gbs(len * iters, t.elapsed().as_secs_f64()))
+        };
+    let h2d_pinned = time(&mut || dst.write(0, pinned.as_slice()))?;
+    let h2d_pageable = time(&mut || dst.write(0, &pageable))?;
+    let d2h_pinned = time(&mut || dst.read(0, pinned.as_mut_slice()))?;
+    let d2h_pageable = time(&mut || dst.read(0, &mut pageable))?;
+    if pinned.as_slice() != host || pageable != host {
+        return Err("host copies differ".into());
+    }
+    println!(
+        "  host->device: pinned {h2d_pinned:.1} GB/s, pageable {h2d_pageable:.1} GB/s; device->host: pinned {d2h_pinned:.1} GB/s, pageable {d2h_pageable:.1} GB/s; bytes verified"
+    );
+    Ok(())
+}
+
+/// 5. GPUDirect RDMA registration on the first RDMA device, if any.
+fn gpudirect(gpu: &Arc<Gpu>) -> Result<(), BoxError> {
+    match rixl::verbs::DeviceList::new().and_then(|l| l.find(None).map(|d| d.open())) {
+        Ok(Ok(ctx)) => {
+            let pd = rixl::verbs::ProtectionDomain::new(&ctx)?;
+            let mem = DeviceMemory::alloc(gpu, 64 << 20)?;
+            match rixl::gpudirect::GpuRegistration::register(
+                &pd,
+                mem,
+                rixl::verbs::AccessFlags::ALL_RDMA,
+            ) {
+                Ok(r) => println!(
+                    "  GPUDirect RDMA: 64 MiB registered on {} via {:?} (lkey {:#x})",
+                    ctx.name(),
+                    r.kind(),
+                    r.lkey()
+                ),
+                Err(e) => println!("  GPUDirect RDMA on {}: {e}", ctx.name()),
+            }
+        }
+        _ => println!("  GPUDirect RDMA: not exercised (no RDMA device on this machine)"),
+    }
     Ok(())
 }
 
@@ -209,87 +367,27 @@ fn main() -> Result<(), BoxError> {
             .find(|g| g.ordinal == ordinal)
             .map_or("?".into(), |g| format!("{} at {}", g.name, g.pci_address))
     );
+    // Every stage runs even if an earlier one failed; the exit status says whether all passed.
+    let mut failed = Vec::new();
+    let mut stage = |name: &'static str, r: Result<(), BoxError>| {
+        if let Err(e) = r {
+            println!("  FAILED {name}: {e}");
+            failed.push(name);
+        }
+    };
     let gpu = Gpu::open(ordinal)?;
     let src = Arc::new(DeviceMemory::alloc(&gpu, len)?);
     let host: Vec<u8> = (0..len).map(pattern).collect();
     src.write(0, &host)?;
-
-    // 1. D2D: plain cuMemcpy vs rixl.
     let dst = Arc::new(DeviceMemory::alloc(&gpu, len)?);
-    let t = Instant::now();
-    for _ in 0..iters {
-        dst.copy_from(&src)?;
+    stage("device-to-device", d2d(&gpu, &src, &dst, len, iters));
+    stage("CUDA IPC", ipc(&src, len, iters, ordinal));
+    stage("host<->device", host_device(&gpu, &dst, &host, iters));
+    stage("agent.read", agent_stage(len, iters, ordinal));
+    stage("GPUDirect RDMA", gpudirect(&gpu));
+    if !failed.is_empty() {
+        return Err(format!("gpu_check: {} stage(s) failed: {failed:?}", failed.len()).into());
     }
-    let base = gbs(len * iters, t.elapsed().as_secs_f64());
-    verify(&dst, len)?;
-    dst.fill(0)?;
-    let secs = rixl_copies(&gpu, dst.clone(), src.clone(), len, iters)?;
-    verify(&dst, len)?;
-    let ours = gbs(len * iters, secs);
-    println!(
-        "  device-to-device {} MiB x {iters}: cuMemcpyDtoD {base:.1} GB/s, rixl copy future {ours:.1} GB/s ({:.2}x), bytes verified",
-        len >> 20,
-        ours / base
-    );
-
-    // 2. CUDA IPC across processes.
-    let handle = IpcHandle::export(&src)?;
-    let hex: String = handle.0.iter().map(|b| format!("{b:02x}")).collect();
-    let out = std::process::Command::new(std::env::current_exe()?)
-        .args(["--child", &hex, "--mib", &(len >> 20).to_string()])
-        .args(["--iters", &iters.to_string(), "--gpu", &ordinal.to_string()])
-        .output()?;
-    print!("{}", String::from_utf8_lossy(&out.stdout));
-    if !out.status.success() {
-        return Err(format!("IPC child failed: {}", String::from_utf8_lossy(&out.stderr)).into());
-    }
-
-    // 3. Host <-> device: pinned vs pageable.
-    let mut pinned = PinnedHostMemory::alloc(&gpu, len)?;
-    pinned.as_mut_slice().copy_from_slice(&host);
-    let mut pageable = host.clone();
-    let time =
-        |f: &mut dyn FnMut() -> Result<(), rixl::gpudirect::Error>| -> Result<f64, BoxError> {
-            let t = Instant::now();
-            for _ in 0..iters {
-                f()?;
-            }
-            Ok(gbs(len * iters, t.elapsed().as_secs_f64()))
-        };
-    let h2d_pinned = time(&mut || dst.write(0, pinned.as_slice()))?;
-    let h2d_pageable = time(&mut || dst.write(0, &pageable))?;
-    let d2h_pinned = time(&mut || dst.read(0, pinned.as_mut_slice()))?;
-    let d2h_pageable = time(&mut || dst.read(0, &mut pageable))?;
-    if pinned.as_slice() != host.as_slice() || pageable != host {
-        return Err("host copies differ".into());
-    }
-    println!(
-        "  host->device: pinned {h2d_pinned:.1} GB/s, pageable {h2d_pageable:.1} GB/s; device->host: pinned {d2h_pinned:.1} GB/s, pageable {d2h_pageable:.1} GB/s; bytes verified"
-    );
-
-    // 4. The agent API between two processes, routed to CUDA IPC.
-    agent_stage(len, iters, ordinal)?;
-
-    // 5. GPUDirect RDMA registration on the first RDMA device, if any.
-    match rixl::verbs::DeviceList::new().and_then(|l| l.find(None).map(|d| d.open())) {
-        Ok(Ok(ctx)) => {
-            let pd = rixl::verbs::ProtectionDomain::new(&ctx)?;
-            let mem = DeviceMemory::alloc(&gpu, 64 << 20)?;
-            match rixl::gpudirect::GpuRegistration::register(
-                &pd,
-                mem,
-                rixl::verbs::AccessFlags::ALL_RDMA,
-            ) {
-                Ok(r) => println!(
-                    "  GPUDirect RDMA: 64 MiB registered on {} via {:?} (lkey {:#x})",
-                    ctx.name(),
-                    r.kind(),
-                    r.lkey()
-                ),
-                Err(e) => println!("  GPUDirect RDMA on {}: {e}", ctx.name()),
-            }
-        }
-        _ => println!("  GPUDirect RDMA: not exercised (no RDMA device on this machine)"),
-    }
+    println!("gpu_check: all stages passed");
     Ok(())
 }

@@ -703,8 +703,8 @@ impl Agent {
     ) -> Result<Registration, AgentError> {
         let region = self.inner.engine.register_gpu(ordinal, len).await?;
         let ipc =
-            region.gpu_registration().and_then(|g| {
-                match crate::nvlink::ipc::IpcHandle::export(g.memory()) {
+            region.gpu_memory().and_then(|m| {
+                match crate::nvlink::ipc::IpcHandle::export(m) {
                     Ok(h) => Some((ordinal as u32, h.0)),
                     Err(e) => {
                         tracing::warn!(error = %e, "VRAM region not exported for CUDA IPC");
@@ -1272,7 +1272,6 @@ impl Inner {
     fn metadata_for(&self, reader: &str) -> AgentMetadata {
         let regions = lock(&self.regs)
             .iter()
-            // Host memory of a core without a NIC is not reachable by peers.
             // Host memory of a core without a NIC is not reachable by peers; GPU memory is, by
             // CUDA IPC from the same node, when it is exported.
             .filter(|(_, r)| {
@@ -1335,8 +1334,7 @@ impl Inner {
             return None;
         }
         let local_gpu = local.regions()[0]
-            .gpu_registration()?
-            .memory()
+            .gpu_memory()?
             .gpu()
             .ordinal() as u32;
         let peers = lock(&self.peers);
