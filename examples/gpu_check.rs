@@ -5,11 +5,12 @@
 //! 2. CUDA IPC between two processes on one GPU: the parent exports a buffer, a child process
 //!    opens the handle and copies it into its own buffer through rixl, bytes verified;
 //! 3. host<->device through pinned memory next to pageable memory;
-//! 4. the agent API between two processes on one node: a peer agent's VRAM read with
-//!    `agent.read(...)`, which the topology routes over CUDA IPC (no NIC needed), then 1024
-//!    scattered 64 KiB blocks written to it in reversed order with one `agent.write`; bytes
-//!    verified;
-//! 5. GPUDirect RDMA registration (dma-buf or nvidia-peermem) when an RDMA device exists.
+//! 4. 1024 scattered 64 KiB block copies on one stream with one event (the floor for 5);
+//! 5. the agent API between two processes on one node, routed by the topology to CUDA IPC (no
+//!    NIC needed): a peer agent's VRAM read with `agent.read(...)`; 1024 scattered 64 KiB blocks
+//!    written to it in reversed order with one `agent.write` (time next to the floor); a write
+//!    future dropped in flight together with its source registration; bytes verified each time;
+//! 6. GPUDirect RDMA registration (dma-buf or nvidia-peermem) when an RDMA device exists.
 //!
 //! Without a CUDA driver it prints `SKIPPED gpu_check: ...` and exits 0.
 //!
@@ -21,7 +22,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use rixl::gpudirect::{DeviceMemory, Gpu, PinnedHostMemory};
-use rixl::nvlink::ipc::{CopyStream, DeviceRange, ImportedMemory, IpcHandle};
+use rixl::nvlink::ipc::{CopyStream, DeviceCopy, DeviceRange, ImportedMemory, IpcHandle};
 
 mod common;
 
@@ -122,6 +123,61 @@ fn agent_child(args: &[String]) -> Result<(), BoxError> {
     Ok(())
 }
 
+const BLOCK: usize = 64 << 10;
+const BLOCKS: usize = 1024;
+const ROUNDS: usize = 5;
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+/// The floor for the scattered write: the same reversed 64 KiB block copies between two buffers
+/// of this process, enqueued on one stream with one completion event (`CopyStream::copy_all`:
+/// a `cuMemcpyAsync` per block, no agent, no engine, no IPC). Returns the median seconds.
+fn scattered_baseline(
+    gpu: &Arc<Gpu>,
+    src: &Arc<DeviceMemory>,
+    dst: &Arc<DeviceMemory>,
+    len: usize,
+) -> Result<f64, BoxError> {
+    let blocks = (len / BLOCK).min(BLOCKS);
+    let stream = CopyStream::new(gpu)?;
+    let (s, d): (Arc<dyn DeviceRange>, Arc<dyn DeviceRange>) = (src.clone(), dst.clone());
+    let mut times = Vec::with_capacity(ROUNDS);
+    for _ in 0..ROUNDS {
+        let copies = (0..blocks)
+            .map(|i| DeviceCopy {
+                dst: d.clone(),
+                dst_offset: (blocks - 1 - i) * BLOCK,
+                src: s.clone(),
+                src_offset: i * BLOCK,
+                len: BLOCK,
+            })
+            .collect();
+        let t = Instant::now();
+        let mut p = stream.copy_all(copies)?;
+        while !p.poll()? {}
+        times.push(t.elapsed().as_secs_f64());
+    }
+    let secs = median(&mut times);
+    let mut back = vec![0u8; blocks * BLOCK];
+    dst.read(0, &mut back)?;
+    for i in 0..blocks {
+        let at = (blocks - 1 - i) * BLOCK;
+        if (0..BLOCK).any(|k| back[at + k] != pattern(i * BLOCK + k)) {
+            return Err(format!("baseline: block {i} differs").into());
+        }
+    }
+    println!(
+        "  {blocks} scattered {} KiB block copies in one process, one stream, one event (the floor), median of {ROUNDS}: {:.1} µs, {:.0} copies/s, verified",
+        BLOCK >> 10,
+        secs * 1e6,
+        blocks as f64 / secs
+    );
+    Ok(secs)
+}
+
 /// A KV-handoff shape: 64 KiB blocks written to the peer's VRAM in reverse order (one
 /// descriptor per block, one `agent.write`), then the peer's whole region read back into a second
 /// region and every block checked at its new place.
@@ -132,9 +188,9 @@ fn scattered_write(
     region: u64,
     len: usize,
     ordinal: i32,
+    baseline: Option<f64>,
 ) -> Result<(), BoxError> {
-    const BLOCK: usize = 64 << 10;
-    let blocks = (len / BLOCK).min(1024);
+    let blocks = (len / BLOCK).min(BLOCKS);
     let mut local = rixl::runtime::LocalDescList::new();
     let mut remote = Vec::with_capacity(blocks);
     for i in 0..blocks {
@@ -145,9 +201,14 @@ fn scattered_write(
             len: BLOCK as u64,
         });
     }
-    let t = Instant::now();
-    let st = futures_lite::future::block_on(a.write(peer, &local, &remote))?;
-    let secs = t.elapsed().as_secs_f64();
+    let mut times = Vec::with_capacity(ROUNDS);
+    let mut st = rixl::runtime::TransferStats::default();
+    for _ in 0..ROUNDS {
+        let t = Instant::now();
+        st = futures_lite::future::block_on(a.write(peer, &local, &remote))?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    let secs = median(&mut times);
     let back = futures_lite::future::block_on(a.register_vram(
         ordinal,
         len,
@@ -170,16 +231,76 @@ fn scattered_write(
         }
     }
     println!(
-        "  agent.write of {blocks} scattered {} KiB blocks to the peer's VRAM (reversed, {} copies): {:.1} GB/s, {:.0} descriptors/s, every block verified at its place",
+        "  agent.write of {blocks} scattered {} KiB blocks to the peer's VRAM (reversed, {} copies), median of {ROUNDS}: {:.1} µs, {:.1} GB/s, {:.0} descriptors/s{}; every block verified at its place",
         BLOCK >> 10,
         st.work_requests,
+        secs * 1e6,
         gbs(blocks * BLOCK, secs),
-        blocks as f64 / secs
+        blocks as f64 / secs,
+        baseline.map_or(String::new(), |b| format!(
+            " ({:.2}x the time of the bare copies)",
+            secs / b
+        ))
     );
     Ok(())
 }
 
-fn agent_stage(len: usize, iters: usize, ordinal: i32) -> Result<(), BoxError> {
+/// A transfer future dropped while its copies are in flight, and its source registration dropped
+/// right after: the in-flight copies keep the memory alive and finish; the peer's region then
+/// holds the source's bytes throughout (read back on the same stream, so after those copies).
+fn dropped_future(
+    a: &rixl::agent::Agent,
+    peer: &str,
+    region: u64,
+    len: usize,
+    ordinal: i32,
+) -> Result<(), BoxError> {
+    use futures_lite::future::{block_on, poll_once};
+    let vram = || block_on(a.register_vram(ordinal, len, rixl::agent::Visibility::All));
+    let whole = |r: &rixl::agent::Registration| {
+        let mut l = rixl::runtime::LocalDescList::new();
+        l.push(r.region(), 0, len as u64);
+        l
+    };
+    let remote = [rixl::agent::RemoteRef {
+        region,
+        offset: 0,
+        len: len as u64,
+    }];
+    let source = vram()?;
+    source.region().write_at(0, &vec![0xab; len])?;
+    let local = whole(&source);
+    let mut fut = Box::pin(a.write(peer, &local, &remote));
+    let state = match block_on(poll_once(&mut fut)) {
+        None => "in flight",
+        Some(r) => {
+            r?;
+            "already complete"
+        }
+    };
+    drop(fut);
+    drop(local);
+    drop(source);
+    let back = vram()?;
+    block_on(a.read(peer, &whole(&back), &remote))?;
+    let mut host = vec![0u8; len];
+    back.region().read_at(0, &mut host)?;
+    if let Some(i) = host.iter().position(|&b| b != 0xab) {
+        return Err(format!("dropped future: byte {i} at the peer is {:#x}", host[i]).into());
+    }
+    println!(
+        "  agent.write future dropped after one poll ({state}), its source registration dropped at once: the copies finished from live memory, {} MiB verified at the peer",
+        len >> 20
+    );
+    Ok(())
+}
+
+fn agent_stage(
+    len: usize,
+    iters: usize,
+    ordinal: i32,
+    baseline: Option<f64>,
+) -> Result<(), BoxError> {
     use std::io::{BufRead, Write};
     let mut peer = std::process::Command::new(std::env::current_exe()?)
         .args([
@@ -213,12 +334,13 @@ fn agent_stage(len: usize, iters: usize, ordinal: i32) -> Result<(), BoxError> {
         offset: 0,
         len: len as u64,
     }];
+    // The first transfer to a peer discovers the topology and opens the peer's IPC handle.
     let t = Instant::now();
-    let mut st = None;
+    let mut st = futures_lite::future::block_on(a.read(&name, &local, &remote))?;
+    let first = t.elapsed().as_secs_f64();
+    let t = Instant::now();
     for _ in 0..iters {
-        st = Some(futures_lite::future::block_on(
-            a.read(&name, &local, &remote),
-        )?);
+        st = futures_lite::future::block_on(a.read(&name, &local, &remote))?;
     }
     let secs = t.elapsed().as_secs_f64();
     let mut back = vec![0u8; len];
@@ -227,12 +349,14 @@ fn agent_stage(len: usize, iters: usize, ordinal: i32) -> Result<(), BoxError> {
         return Err(format!("agent read: byte {i} differs").into());
     }
     println!(
-        "  agent.read of a peer process's VRAM (same node, routed to CUDA IPC: {} copies per read): {:.1} GB/s, {} MiB verified",
-        st.map_or(0, |s| s.work_requests),
+        "  agent.read of a peer process's VRAM (same node, routed to CUDA IPC: {} copy per read): first read {:.1} ms (topology discovery, IPC open), then {iters} reads {:.1} GB/s, {} MiB verified",
+        st.work_requests,
+        first * 1e3,
         gbs(len * iters, secs),
         len >> 20
     );
-    scattered_write(&a, &name, &mine, region, len, ordinal)?;
+    scattered_write(&a, &name, &mine, region, len, ordinal, baseline)?;
+    dropped_future(&a, &name, region, len, ordinal)?;
     if let Some(mut stdin) = peer.stdin.take() {
         let _ = writeln!(stdin, "done");
     }
@@ -383,7 +507,12 @@ fn main() -> Result<(), BoxError> {
     stage("device-to-device", d2d(&gpu, &src, &dst, len, iters));
     stage("CUDA IPC", ipc(&src, len, iters, ordinal));
     stage("host<->device", host_device(&gpu, &dst, &host, iters));
-    stage("agent.read", agent_stage(len, iters, ordinal));
+    let mut baseline = None;
+    stage(
+        "scattered copies",
+        scattered_baseline(&gpu, &src, &dst, len).map(|s| baseline = Some(s)),
+    );
+    stage("agent", agent_stage(len, iters, ordinal, baseline));
     stage("GPUDirect RDMA", gpudirect(&gpu));
     if !failed.is_empty() {
         return Err(format!("gpu_check: {} stage(s) failed: {failed:?}", failed.len()).into());

@@ -213,6 +213,11 @@ impl CopyStream {
         })
     }
 
+    /// The GPU the stream runs on.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
+
     /// Enqueues a copy of `len` bytes from `src` at `src_off` to `dst` at `dst_off` and returns
     /// its completion. Both memories are kept alive until the copy has finished.
     ///
@@ -226,35 +231,92 @@ impl CopyStream {
         src_off: usize,
         len: usize,
     ) -> Result<PendingCopy, IpcError> {
-        check_ranges(&*dst, dst_off, &*src, src_off, len)?;
+        self.copy_all(vec![DeviceCopy {
+            dst,
+            dst_offset: dst_off,
+            src,
+            src_offset: src_off,
+            len,
+        }])
+    }
+
+    /// Enqueues every copy in order on the stream and returns one completion for all of them
+    /// (one event after the last: the stream runs its copies in order). Every range is checked
+    /// before anything is enqueued; every memory is kept alive until the last copy finished.
+    ///
+    /// # Errors
+    /// [`IpcError::OutOfRange`] before anything is enqueued; [`IpcError::Driver`] (copies
+    /// already enqueued are waited for before the error returns, so no memory is freed under
+    /// them).
+    pub fn copy_all(&self, copies: Vec<DeviceCopy>) -> Result<PendingCopy, IpcError> {
+        for c in &copies {
+            check_ranges(&*c.dst, c.dst_offset, &*c.src, c.src_offset, c.len)?;
+        }
         self.gpu.bind()?;
-        // SAFETY: both ranges are inside live device allocations (checked above; `Arc`s keep them
-        // alive until the event completes, see `PendingCopy`). Unified addressing lets
-        // cuMemcpyAsync copy between any two device pointers.
-        check("cuMemcpyAsync", unsafe {
-            sys::cuMemcpyAsync(
-                dst.device_addr() + dst_off as u64,
-                src.device_addr() + src_off as u64,
-                len,
-                self.stream,
-            )
-        })?;
         let mut event = std::ptr::null_mut();
         // SAFETY: context current; flag 2 is CU_EVENT_DISABLE_TIMING (cheapest to query).
         check("cuEventCreate", unsafe {
             sys::cuEventCreate(&mut event, 2)
         })?;
-        // SAFETY: `event` was just created and `stream` is live.
-        check("cuEventRecord", unsafe {
-            sys::cuEventRecord(event, self.stream)
-        })?;
-        Ok(PendingCopy {
+        let mut pending = PendingCopy {
             gpu: Arc::clone(&self.gpu),
             event,
-            _keep: (dst, src),
+            keep: Vec::with_capacity(copies.len()),
             done: false,
-        })
+        };
+        let mut failed = None;
+        for c in copies {
+            // SAFETY: both ranges are inside live device allocations (checked above; `pending`
+            // keeps them alive until its event completes). Unified addressing lets
+            // cuMemcpyAsync copy between any two device pointers.
+            let rc = unsafe {
+                sys::cuMemcpyAsync(
+                    c.dst.device_addr() + c.dst_offset as u64,
+                    c.src.device_addr() + c.src_offset as u64,
+                    c.len,
+                    self.stream,
+                )
+            };
+            pending.keep.push(c);
+            if let Err(e) = check("cuMemcpyAsync", rc) {
+                failed = Some(e);
+                break;
+            }
+        }
+        // SAFETY: `event` was just created and `stream` is live.
+        let recorded = check("cuEventRecord", unsafe {
+            sys::cuEventRecord(pending.event, self.stream)
+        });
+        let err = match (failed, recorded) {
+            (None, Ok(())) => return Ok(pending),
+            (Some(e), Ok(())) => e,
+            (Some(e), Err(_)) | (None, Err(e)) => {
+                // No event to wait on: wait for the whole stream before the memories go.
+                // SAFETY: `stream` is live; this only blocks until its work is done.
+                let _ = unsafe { sys::cuStreamSynchronize(self.stream) };
+                pending.done = true;
+                e
+            }
+        };
+        drop(pending); // with the event recorded, waits for what was enqueued
+        Err(err)
     }
+}
+
+/// One device-to-device copy for [`CopyStream::copy_all`]: `len` bytes from `src` at
+/// `src_offset` to `dst` at `dst_offset`.
+#[derive(Debug, Clone)]
+pub struct DeviceCopy {
+    /// Destination memory.
+    pub dst: Arc<dyn DeviceRange>,
+    /// Offset in the destination.
+    pub dst_offset: usize,
+    /// Source memory.
+    pub src: Arc<dyn DeviceRange>,
+    /// Offset in the source.
+    pub src_offset: usize,
+    /// Bytes.
+    pub len: usize,
 }
 
 impl Drop for CopyStream {
@@ -269,13 +331,14 @@ impl Drop for CopyStream {
     }
 }
 
-/// A copy in flight. [`Self::poll`] is cheap (`cuEventQuery`); dropping it before completion
-/// waits for the copy, so its memories are never freed while the GPU still uses them.
+/// Copies in flight, completed by one event. [`Self::poll`] is cheap (`cuEventQuery`); dropping
+/// it before completion waits for the copies, so their memories are never freed while the GPU
+/// still uses them.
 #[derive(Debug)]
 pub struct PendingCopy {
     gpu: Arc<Gpu>,
     event: sys::CUevent,
-    _keep: (Arc<dyn DeviceRange>, Arc<dyn DeviceRange>),
+    keep: Vec<DeviceCopy>,
     done: bool,
 }
 

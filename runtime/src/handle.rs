@@ -76,21 +76,7 @@ enum Command {
     Shutdown(Reply<()>),
 }
 
-/// One device-to-device copy for [`EngineHandle::device_copies`]: `len` bytes from `src` at
-/// `src_offset` to `dst` at `dst_offset`.
-#[derive(Debug, Clone)]
-pub struct DeviceCopy {
-    /// Destination memory.
-    pub dst: std::sync::Arc<dyn rixl_nvlink::ipc::DeviceRange>,
-    /// Offset in the destination.
-    pub dst_offset: usize,
-    /// Source memory.
-    pub src: std::sync::Arc<dyn rixl_nvlink::ipc::DeviceRange>,
-    /// Offset in the source.
-    pub src_offset: usize,
-    /// Bytes.
-    pub len: usize,
-}
+pub use rixl_nvlink::ipc::DeviceCopy;
 
 /// A `Send + Clone` handle to an engine: any thread or task can submit work to the engine that
 /// owns the connection; each call's future resolves on the caller's side. Dropping a call's
@@ -409,18 +395,8 @@ async fn run_device_copies(
     stream: &rixl_nvlink::ipc::CopyStream,
     copies: Vec<DeviceCopy>,
 ) -> Result<(), rixl_nvlink::ipc::IpcError> {
-    // Every range first, so a bad one enqueues nothing.
-    for c in &copies {
-        rixl_nvlink::ipc::check_ranges(&*c.dst, c.dst_offset, &*c.src, c.src_offset, c.len)?;
-    }
-    let mut pending = Vec::with_capacity(copies.len());
-    for c in copies {
-        pending.push(stream.copy(c.dst, c.dst_offset, c.src, c.src_offset, c.len)?);
-    }
-    for p in pending {
-        crate::gpu::wait_copy(p).await?;
-    }
-    Ok(())
+    // Every range is checked before anything is enqueued; one event completes them all.
+    crate::gpu::wait_copy(stream.copy_all(copies)?).await
 }
 
 fn spawn(f: impl std::future::Future<Output = ()> + 'static) {

@@ -164,6 +164,63 @@ fn plan_ipc(
     })
 }
 
+/// The device copies of a same-node GPU transfer: each piece of `l`/`r` (split to match) as a
+/// copy between the local region (`mine`, by index in `l`) and the peer's opened export
+/// (`theirs`, by region id); pieces that continue the previous copy on both sides (consecutive
+/// KV blocks) extend it instead of adding one.
+fn ipc_copies(
+    peer: &str,
+    op: Op,
+    l: &LocalDescList,
+    r: &RemoteDescList,
+    plan: &IpcPlan,
+    mine: &[Arc<dyn crate::nvlink::ipc::DeviceRange>],
+    theirs: &HashMap<u64, Arc<dyn crate::nvlink::ipc::DeviceRange>>,
+) -> Result<Vec<crate::runtime::DeviceCopy>, AgentError> {
+    let mut copies: Vec<crate::runtime::DeviceCopy> = Vec::new();
+    // (local region index, remote region id) of the last copy.
+    let mut last: Option<(u32, u64)> = None;
+    for (d, x) in l.descs().iter().zip(&r.0) {
+        let unknown = |region| AgentError::UnknownRegion {
+            peer: peer.to_string(),
+            region,
+        };
+        let (region_id, offset, _, _) = plan.lookup(x.addr).ok_or_else(|| unknown(0))?;
+        let (mine_off, their_off) = (d.offset as usize, offset as usize);
+        let (dst_offset, src_offset) = match op {
+            Op::Write => (their_off, mine_off),
+            Op::Read => (mine_off, their_off),
+        };
+        if let Some(c) = copies.last_mut() {
+            if last == Some((d.region, region_id))
+                && c.dst_offset + c.len == dst_offset
+                && c.src_offset + c.len == src_offset
+            {
+                c.len += d.len as usize;
+                continue;
+            }
+        }
+        let m = Arc::clone(
+            mine.get(d.region as usize)
+                .ok_or_else(|| unknown(region_id))?,
+        );
+        let t = Arc::clone(theirs.get(&region_id).ok_or_else(|| unknown(region_id))?);
+        let (dst, src) = match op {
+            Op::Write => (t, m),
+            Op::Read => (m, t),
+        };
+        copies.push(crate::runtime::DeviceCopy {
+            dst,
+            dst_offset,
+            src,
+            src_offset,
+            len: d.len as usize,
+        });
+        last = Some((d.region, region_id));
+    }
+    Ok(copies)
+}
+
 /// This machine in metadata: the kernel's boot id (unique per boot) and the host name.
 fn node_identity() -> String {
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
@@ -703,15 +760,15 @@ impl Agent {
     ) -> Result<Registration, AgentError> {
         let region = self.inner.engine.register_gpu(ordinal, len).await?;
         let ipc =
-            region.gpu_memory().and_then(|m| {
-                match crate::nvlink::ipc::IpcHandle::export(m) {
+            region
+                .gpu_memory()
+                .and_then(|m| match crate::nvlink::ipc::IpcHandle::export(m) {
                     Ok(h) => Some((ordinal as u32, h.0)),
                     Err(e) => {
                         tracing::warn!(error = %e, "VRAM region not exported for CUDA IPC");
                         None
                     }
-                }
-            });
+                });
         let reg = self.add_registration(region, visibility, Vec::new());
         if let Some(r) = lock(&self.inner.regs).get_mut(&reg.id()) {
             r.ipc = ipc;
@@ -971,60 +1028,45 @@ impl Agent {
         plan: IpcPlan,
     ) -> Result<TransferStats, AgentError> {
         use crate::nvlink::ipc::{CopyStream, DeviceRange, ImportedMemory, IpcHandle};
-        let gpu = crate::gpudirect::Gpu::open(plan.local_gpu as i32)
-            .map_err(crate::nvlink::ipc::IpcError::from)?;
         let stream = {
             let mut streams = lock(&self.inner.copy_streams);
             match streams.get(&(plan.local_gpu as i32)) {
                 Some(s) => Arc::clone(s),
                 None => {
+                    let gpu = crate::gpudirect::Gpu::open(plan.local_gpu as i32)
+                        .map_err(crate::nvlink::ipc::IpcError::from)?;
                     let s = Arc::new(CopyStream::new(&gpu)?);
                     streams.insert(plan.local_gpu as i32, Arc::clone(&s));
                     s
                 }
             }
         };
-        let mut copies = Vec::new();
-        let (l, r) = &crate::runtime::desc::split_stream(local, &plan.remote, 1, u64::MAX)[0];
-        for (d, x) in l.descs().iter().zip(&r.0) {
-            let (region_id, offset, handle, len) =
-                plan.lookup(x.addr).ok_or(AgentError::UnknownRegion {
-                    peer: peer.to_string(),
-                    region: 0,
-                })?;
-            let imported = {
-                let cached = lock(&self.inner.peers)
-                    .get(peer)
-                    .and_then(|p| p.imported.get(&region_id).cloned());
-                match cached {
-                    Some(m) => m,
-                    None => {
-                        let m = Arc::new(ImportedMemory::open(
-                            &gpu,
-                            &IpcHandle(handle),
-                            len as usize,
-                        )?);
-                        if let Some(p) = lock(&self.inner.peers).get_mut(peer) {
-                            p.imported.insert(region_id, Arc::clone(&m));
-                        }
-                        m
+        let gpu = stream.gpu();
+        // The peer's exports this transfer touches, opened once each (and cached per peer).
+        let mut theirs: HashMap<u64, Arc<dyn DeviceRange>> = HashMap::new();
+        for &(region_id, _, len, handle) in &plan.exports {
+            let cached = lock(&self.inner.peers)
+                .get(peer)
+                .and_then(|p| p.imported.get(&region_id).cloned());
+            let m = match cached {
+                Some(m) => m,
+                None => {
+                    let m = Arc::new(ImportedMemory::open(gpu, &IpcHandle(handle), len as usize)?);
+                    if let Some(p) = lock(&self.inner.peers).get_mut(peer) {
+                        p.imported.insert(region_id, Arc::clone(&m));
                     }
+                    m
                 }
             };
-            let mine: Arc<dyn DeviceRange> = Arc::new(l.regions()[d.region as usize].clone());
-            let theirs: Arc<dyn DeviceRange> = imported;
-            let (dst, dst_off, src, src_off) = match op {
-                Op::Write => (theirs, offset, mine, d.offset),
-                Op::Read => (mine, d.offset, theirs, offset),
-            };
-            copies.push(crate::runtime::DeviceCopy {
-                dst,
-                dst_offset: dst_off as usize,
-                src,
-                src_offset: src_off as usize,
-                len: d.len as usize,
-            });
+            theirs.insert(region_id, m);
         }
+        let (l, r) = &crate::runtime::desc::split_stream(local, &plan.remote, 1, u64::MAX)[0];
+        let mine: Vec<Arc<dyn DeviceRange>> = l
+            .regions()
+            .iter()
+            .map(|r| Arc::new(r.clone()) as Arc<dyn DeviceRange>)
+            .collect();
+        let copies = ipc_copies(peer, op, l, r, &plan, &mine, &theirs)?;
         let n = copies.len();
         // Enqueued and awaited on the engine's core, like RDMA work.
         self.inner.engine.device_copies(stream, copies).await?;
@@ -1333,10 +1375,7 @@ impl Inner {
         if !local.regions().iter().all(Region::is_gpu) || local.is_empty() {
             return None;
         }
-        let local_gpu = local.regions()[0]
-            .gpu_memory()?
-            .gpu()
-            .ordinal() as u32;
+        let local_gpu = local.regions()[0].gpu_memory()?.gpu().ordinal() as u32;
         let peers = lock(&self.peers);
         let md = peers.get(peer)?.metadata.as_ref()?;
         let plan = plan_ipc(&self.node, std::process::id(), md, remote)?;
@@ -1652,5 +1691,73 @@ mod ipc_tests {
             plan_ipc("boot/a", 10, &md("boot/a", 11), &past).is_none(),
             "outside"
         );
+    }
+    #[derive(Debug)]
+    struct Fake(u64);
+    impl crate::nvlink::ipc::DeviceRange for Fake {
+        fn device_addr(&self) -> u64 {
+            self.0
+        }
+        fn device_len(&self) -> usize {
+            1 << 20
+        }
+    }
+
+    #[test]
+    fn ipc_copies_merge_blocks_that_continue_on_both_sides_and_follow_the_direction() {
+        let host = Region::unregistered(1 << 16).expect("host region");
+        let mut local = LocalDescList::new();
+        // Blocks 0,1 continue each other on both sides; block 2 goes back (reversed order).
+        local.push(&host, 0, 4096);
+        local.push(&host, 4096, 4096);
+        local.push(&host, 8192, 4096);
+        let r = remote(&[
+            (0x1000_0000, 4096),
+            (0x1000_1000, 4096),
+            (0x1000_0000 + 0x8000, 4096),
+        ]);
+        let plan = plan_ipc("n", 1, &md("n", 2), &r).expect("IPC");
+        let mine: Vec<Arc<dyn crate::nvlink::ipc::DeviceRange>> = vec![Arc::new(Fake(0xa000))];
+        let theirs: HashMap<u64, Arc<dyn crate::nvlink::ipc::DeviceRange>> =
+            HashMap::from([(1, Arc::new(Fake(0xb000)) as _)]);
+        let got = |op| {
+            ipc_copies("p", op, &local, &r, &plan, &mine, &theirs)
+                .expect("copies")
+                .iter()
+                .map(|c| {
+                    (
+                        c.dst.device_addr(),
+                        c.dst_offset,
+                        c.src.device_addr(),
+                        c.src_offset,
+                        c.len,
+                    )
+                })
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            got(Op::Write),
+            [
+                (0xb000, 0, 0xa000, 0, 8192),
+                (0xb000, 0x8000, 0xa000, 8192, 4096)
+            ]
+        );
+        assert_eq!(
+            got(Op::Read),
+            [
+                (0xa000, 0, 0xb000, 0, 8192),
+                (0xa000, 8192, 0xb000, 0x8000, 4096)
+            ]
+        );
+        // A piece outside every export is a typed error, not a panic.
+        let outside = remote(&[
+            (0x2000_0000, 4096),
+            (0x1000_0000, 4096),
+            (0x1000_0000, 4096),
+        ]);
+        assert!(matches!(
+            ipc_copies("p", Op::Read, &local, &outside, &plan, &mine, &theirs),
+            Err(AgentError::UnknownRegion { .. })
+        ));
     }
 }
