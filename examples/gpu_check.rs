@@ -5,7 +5,8 @@
 //! 2. CUDA IPC between two processes on one GPU: the parent exports a buffer, a child process
 //!    opens the handle and copies it into its own buffer through rixl, bytes verified;
 //! 3. host<->device through pinned memory next to pageable memory;
-//! 4. 1024 scattered 64 KiB block copies on one stream with one event (the floor for 5);
+//! 4. 1024 scattered 64 KiB block copies on one stream with one event, a `cuMemcpyAsync` each
+//!    next to one `cuMemcpyBatchAsync` (the floor for 5);
 //! 5. the agent API between two processes on one node, routed by the topology to CUDA IPC (no
 //!    NIC needed): a peer agent's VRAM read with `agent.read(...)`; 1024 scattered 64 KiB blocks
 //!    written to it in reversed order with one `agent.write` (time next to the floor); a write
@@ -133,8 +134,10 @@ fn median(v: &mut [f64]) -> f64 {
 }
 
 /// The floor for the scattered write: the same reversed 64 KiB block copies between two buffers
-/// of this process, enqueued on one stream with one completion event (`CopyStream::copy_all`:
-/// a `cuMemcpyAsync` per block, no agent, no engine, no IPC). Returns the median seconds.
+/// of this process on one stream with one completion event, no agent, no engine, no IPC: once
+/// as a `cuMemcpyAsync` per block (`CopyStream::copy_each`), once as what the agent uses
+/// (`copy_all`: one `cuMemcpyBatchAsync` where the driver has it). Returns `copy_all`'s median
+/// seconds.
 fn scattered_baseline(
     gpu: &Arc<Gpu>,
     src: &Arc<DeviceMemory>,
@@ -144,9 +147,8 @@ fn scattered_baseline(
     let blocks = (len / BLOCK).min(BLOCKS);
     let stream = CopyStream::new(gpu)?;
     let (s, d): (Arc<dyn DeviceRange>, Arc<dyn DeviceRange>) = (src.clone(), dst.clone());
-    let mut times = Vec::with_capacity(ROUNDS);
-    for _ in 0..ROUNDS {
-        let copies = (0..blocks)
+    let copies = || -> Vec<DeviceCopy> {
+        (0..blocks)
             .map(|i| DeviceCopy {
                 dst: d.clone(),
                 dst_offset: (blocks - 1 - i) * BLOCK,
@@ -154,28 +156,48 @@ fn scattered_baseline(
                 src_offset: i * BLOCK,
                 len: BLOCK,
             })
-            .collect();
-        let t = Instant::now();
-        let mut p = stream.copy_all(copies)?;
-        while !p.poll()? {}
-        times.push(t.elapsed().as_secs_f64());
-    }
-    let secs = median(&mut times);
-    let mut back = vec![0u8; blocks * BLOCK];
-    dst.read(0, &mut back)?;
-    for i in 0..blocks {
-        let at = (blocks - 1 - i) * BLOCK;
-        if (0..BLOCK).any(|k| back[at + k] != pattern(i * BLOCK + k)) {
-            return Err(format!("baseline: block {i} differs").into());
+            .collect()
+    };
+    let run = |batched: bool| -> Result<f64, BoxError> {
+        let mut times = Vec::with_capacity(ROUNDS);
+        for _ in 0..ROUNDS {
+            dst.fill(0)?;
+            let t = Instant::now();
+            let mut p = if batched {
+                stream.copy_all(copies())?
+            } else {
+                stream.copy_each(copies())?
+            };
+            while !p.poll()? {}
+            times.push(t.elapsed().as_secs_f64());
         }
-    }
+        let mut back = vec![0u8; blocks * BLOCK];
+        dst.read(0, &mut back)?;
+        for i in 0..blocks {
+            let at = (blocks - 1 - i) * BLOCK;
+            if (0..BLOCK).any(|k| back[at + k] != pattern(i * BLOCK + k)) {
+                return Err(format!("block copies: block {i} differs").into());
+            }
+        }
+        Ok(median(&mut times))
+    };
+    let each = run(false)?;
+    let all = run(true)?;
     println!(
-        "  {blocks} scattered {} KiB block copies in one process, one stream, one event (the floor), median of {ROUNDS}: {:.1} µs, {:.0} copies/s, verified",
+        "  {blocks} scattered {} KiB block copies in one process, one stream, one event, median of {ROUNDS}: a cuMemcpyAsync each {:.1} µs ({:.0} copies/s); copy_all ({}) {:.1} µs ({:.0} copies/s, {:.1}x faster); verified",
         BLOCK >> 10,
-        secs * 1e6,
-        blocks as f64 / secs
+        each * 1e6,
+        blocks as f64 / each,
+        if rixl::nvlink::ipc::batch_copies_supported() {
+            "one cuMemcpyBatchAsync"
+        } else {
+            "no batch API: a cuMemcpyAsync each"
+        },
+        all * 1e6,
+        blocks as f64 / all,
+        each / all
     );
-    Ok(secs)
+    Ok(all)
 }
 
 /// A KV-handoff shape: 64 KiB blocks written to the peer's VRAM in reverse order (one

@@ -240,15 +240,31 @@ impl CopyStream {
         }])
     }
 
-    /// Enqueues every copy in order on the stream and returns one completion for all of them
-    /// (one event after the last: the stream runs its copies in order). Every range is checked
-    /// before anything is enqueued; every memory is kept alive until the last copy finished.
+    /// Enqueues every copy on the stream and returns one completion for all of them (one event
+    /// after the last). With a driver of CUDA 12.8 or later they go in one
+    /// `cuMemcpyBatchAsync` call (see [`batch_copies_supported`]); the batch runs in stream
+    /// order, but its copies may run in any order among themselves, so destinations must not
+    /// overlap. Otherwise, or if the batch call fails, as [`Self::copy_each`]. Every range is
+    /// checked before anything is enqueued; every memory is kept alive until the copies finished.
+    ///
+    /// # Errors
+    /// As [`Self::copy_each`].
+    pub fn copy_all(&self, copies: Vec<DeviceCopy>) -> Result<PendingCopy, IpcError> {
+        self.enqueue(copies, batch_copies_supported())
+    }
+
+    /// Enqueues the copies in order, one `cuMemcpyAsync` each, and returns one completion for
+    /// all of them (one event after the last: the stream runs its copies in order).
     ///
     /// # Errors
     /// [`IpcError::OutOfRange`] before anything is enqueued; [`IpcError::Driver`] (copies
     /// already enqueued are waited for before the error returns, so no memory is freed under
     /// them).
-    pub fn copy_all(&self, copies: Vec<DeviceCopy>) -> Result<PendingCopy, IpcError> {
+    pub fn copy_each(&self, copies: Vec<DeviceCopy>) -> Result<PendingCopy, IpcError> {
+        self.enqueue(copies, false)
+    }
+
+    fn enqueue(&self, copies: Vec<DeviceCopy>, batch: bool) -> Result<PendingCopy, IpcError> {
         for c in &copies {
             check_ranges(&*c.dst, c.dst_offset, &*c.src, c.src_offset, c.len)?;
         }
@@ -265,22 +281,26 @@ impl CopyStream {
             done: false,
         };
         let mut failed = None;
-        for c in copies {
-            // SAFETY: both ranges are inside live device allocations (checked above; `pending`
-            // keeps them alive until its event completes). Unified addressing lets
-            // cuMemcpyAsync copy between any two device pointers.
-            let rc = unsafe {
-                sys::cuMemcpyAsync(
-                    c.dst.device_addr() + c.dst_offset as u64,
-                    c.src.device_addr() + c.src_offset as u64,
-                    c.len,
-                    self.stream,
-                )
-            };
-            pending.keep.push(c);
-            if let Err(e) = check("cuMemcpyAsync", rc) {
-                failed = Some(e);
-                break;
+        if batch && copies.len() > 1 && self.batch(&copies).is_ok() {
+            pending.keep = copies;
+        } else {
+            for c in copies {
+                // SAFETY: both ranges are inside live device allocations (checked above;
+                // `pending` keeps them alive until its event completes). Unified addressing lets
+                // cuMemcpyAsync copy between any two device pointers.
+                let rc = unsafe {
+                    sys::cuMemcpyAsync(
+                        c.dst.device_addr() + c.dst_offset as u64,
+                        c.src.device_addr() + c.src_offset as u64,
+                        c.len,
+                        self.stream,
+                    )
+                };
+                pending.keep.push(c);
+                if let Err(e) = check("cuMemcpyAsync", rc) {
+                    failed = Some(e);
+                    break;
+                }
             }
         }
         // SAFETY: `event` was just created and `stream` is live.
@@ -301,6 +321,63 @@ impl CopyStream {
         drop(pending); // with the event recorded, waits for what was enqueued
         Err(err)
     }
+
+    /// Enqueues `copies` (ranges checked by the caller) in one `cuMemcpyBatchAsync`. On failure
+    /// the stream is drained first, so the caller may enqueue them again one by one.
+    fn batch(&self, copies: &[DeviceCopy]) -> Result<(), IpcError> {
+        let mut dsts: Vec<sys::CUdeviceptr> = copies
+            .iter()
+            .map(|c| c.dst.device_addr() + c.dst_offset as u64)
+            .collect();
+        let mut srcs: Vec<sys::CUdeviceptr> = copies
+            .iter()
+            .map(|c| c.src.device_addr() + c.src_offset as u64)
+            .collect();
+        let mut sizes: Vec<usize> = copies.iter().map(|c| c.len).collect();
+        let here = sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: self.gpu.ordinal(),
+        };
+        // One attribute for every copy: sources are read in stream order.
+        let mut attrs = sys::CUmemcpyAttributes {
+            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+            srcLocHint: here,
+            dstLocHint: here,
+            flags: 0,
+        };
+        let mut attr_index = 0usize;
+        let mut fail_index = usize::MAX;
+        // SAFETY: the context is current (bound by the caller) and the driver is 12.8 or later
+        // (`batch_copies_supported`), so the symbol exists with this signature. The three arrays
+        // have `copies.len()` entries of ranges inside live allocations (checked by the caller,
+        // kept alive by its `PendingCopy`); `attrs`/`attr_index` are one attribute applying from
+        // copy 0; `fail_index` is a valid out-pointer. The stream is a created (non-legacy) one.
+        let rc = unsafe {
+            sys::cuMemcpyBatchAsync(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                copies.len(),
+                &mut attrs,
+                &mut attr_index,
+                1,
+                &mut fail_index,
+                self.stream,
+            )
+        };
+        check("cuMemcpyBatchAsync", rc).inspect_err(|e| {
+            tracing::warn!(error = %e, fail_index, copies = copies.len(), "batch copy refused: copying one by one");
+            // SAFETY: `stream` is live; waits until any part of the batch that ran is done.
+            let _ = unsafe { sys::cuStreamSynchronize(self.stream) };
+        })
+    }
+}
+
+/// Whether device copies go in batches (`cuMemcpyBatchAsync`, CUDA driver 12.8 or later).
+pub fn batch_copies_supported() -> bool {
+    static SUPPORTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *SUPPORTED
+        .get_or_init(|| rixl_gpudirect::probe().is_ok_and(|info| info.driver_version >= 12080))
 }
 
 /// One device-to-device copy for [`CopyStream::copy_all`]: `len` bytes from `src` at
