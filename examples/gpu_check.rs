@@ -486,6 +486,14 @@ fn gpudirect(gpu: &Arc<Gpu>) -> Result<(), BoxError> {
 }
 
 fn main() -> Result<(), BoxError> {
+    // Warnings (a refused batch copy, say) show on stderr; RUST_LOG widens it.
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .try_init();
     let args: Vec<String> = std::env::args().skip(1).collect();
     if arg(&args, "--child").is_some() {
         return child(&args);
