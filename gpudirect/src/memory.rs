@@ -190,7 +190,8 @@ impl DeviceMemory {
         check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
     }
 
-    /// Sets every byte to `value`.
+    /// Sets every byte to `value`, and returns once it is done (a device memset may return
+    /// before it completes, and copies on a non-blocking stream do not wait for it).
     ///
     /// # Errors
     /// [`Error::Driver`].
@@ -199,7 +200,9 @@ impl DeviceMemory {
         // SAFETY: the whole allocation is live device memory of `allocated` bytes.
         check("cuMemsetD8", unsafe {
             sys::cuMemsetD8_v2(self.ptr, value, self.allocated)
-        })
+        })?;
+        // SAFETY: the context is current; this waits for the memset.
+        check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })
     }
 
     /// Exports the allocation as a dma-buf file descriptor (for `ibv_reg_dmabuf_mr`).
