@@ -6,7 +6,8 @@
 //!    opens the handle and copies it into its own buffer through rixl, bytes verified;
 //! 3. host<->device through pinned memory next to pageable memory;
 //! 4. 1024 scattered 64 KiB block copies on one stream with one event, a `cuMemcpyAsync` each
-//!    next to one `cuMemcpyBatchAsync` (the floor for 5);
+//!    next to rixl's block-copy kernel (`copy_all`, the floor for 5); and `copy_all` on 5000
+//!    copies of odd sizes and offsets plus two large ones, checked byte for byte;
 //! 5. the agent API between two processes on one node, routed by the topology to CUDA IPC (no
 //!    NIC needed): a peer agent's VRAM read with `agent.read(...)`; 1024 scattered 64 KiB blocks
 //!    written to it in reversed order with one `agent.write` (time next to the floor); a write
@@ -136,8 +137,8 @@ fn median(v: &mut [f64]) -> f64 {
 /// The floor for the scattered write: the same reversed 64 KiB block copies between two buffers
 /// of this process on one stream with one completion event, no agent, no engine, no IPC: once
 /// as a `cuMemcpyAsync` per block (`CopyStream::copy_each`), once as what the agent uses
-/// (`copy_all`: one `cuMemcpyBatchAsync` where the driver has it). Returns `copy_all`'s median
-/// seconds.
+/// (`copy_all`: one launch of rixl's block-copy kernel where the driver loads it). Returns
+/// `copy_all`'s median seconds.
 fn scattered_baseline(
     gpu: &Arc<Gpu>,
     src: &Arc<DeviceMemory>,
@@ -188,16 +189,77 @@ fn scattered_baseline(
         BLOCK >> 10,
         each * 1e6,
         blocks as f64 / each,
-        if rixl::nvlink::ipc::batch_copies_supported() {
-            "one cuMemcpyBatchAsync"
+        if stream.uses_kernel() {
+            "one launch of the block-copy kernel"
         } else {
-            "no batch API: a cuMemcpyAsync each"
+            "kernel not loaded: a cuMemcpyAsync each"
         },
         all * 1e6,
         blocks as f64 / all,
         each / all
     );
     Ok(all)
+}
+
+/// `copy_all` on an awkward mix, checked byte for byte: 5000 copies (more than one kernel
+/// launch holds) of 1 B to 16 KiB at odd offsets, mirrored end to end, plus two 2 MiB copies
+/// (past the kernel's limit: copy engines) in the same call.
+fn mixed_copies(
+    gpu: &Arc<Gpu>,
+    src: &Arc<DeviceMemory>,
+    dst: &Arc<DeviceMemory>,
+    host: &[u8],
+) -> Result<(), BoxError> {
+    let mut pieces = Vec::new(); // (src offset, len)
+    let mut at = 3usize;
+    for i in 0..5000usize {
+        let len = 1 + pattern(i) as usize * 64 + pattern(i + 7) as usize % 61;
+        pieces.push((at, len));
+        at += len + pattern(i + 3) as usize % 5;
+    }
+    for _ in 0..2 {
+        pieces.push((at, 2 << 20));
+        at += (2 << 20) + 1;
+    }
+    let span = at;
+    if span > host.len() {
+        return Err(format!("mixed copies need {span} bytes").into());
+    }
+    let stream = CopyStream::new(gpu)?;
+    let (s, d): (Arc<dyn DeviceRange>, Arc<dyn DeviceRange>) = (src.clone(), dst.clone());
+    let copies = pieces
+        .iter()
+        .map(|&(off, len)| DeviceCopy {
+            dst: d.clone(),
+            dst_offset: span - off - len,
+            src: s.clone(),
+            src_offset: off,
+            len,
+        })
+        .collect();
+    dst.fill(0)?;
+    let mut p = stream.copy_all(copies)?;
+    while !p.poll()? {}
+    let mut want = vec![0u8; span];
+    for &(off, len) in &pieces {
+        want[span - off - len..span - off].copy_from_slice(&host[off..off + len]);
+    }
+    let mut got = vec![0u8; span];
+    dst.read(0, &mut got)?;
+    if let Some(i) = (0..span).find(|&i| got[i] != want[i]) {
+        return Err(format!("mixed copies: byte {i} of {span} differs").into());
+    }
+    println!(
+        "  copy_all on {} copies of 1 B..16 KiB at odd offsets plus two 2 MiB ({}): {} bytes checked, every byte as expected",
+        pieces.len() - 2,
+        if stream.uses_kernel() {
+            "kernel launches and copy engines"
+        } else {
+            "a cuMemcpyAsync each"
+        },
+        span
+    );
+    Ok(())
 }
 
 /// A KV-handoff shape: 64 KiB blocks written to the peer's VRAM in reverse order (one
@@ -537,6 +599,7 @@ fn main() -> Result<(), BoxError> {
     stage("device-to-device", d2d(&gpu, &src, &dst, len, iters));
     stage("CUDA IPC", ipc(&src, len, iters, ordinal));
     stage("host<->device", host_device(&gpu, &dst, &host, iters));
+    stage("mixed copies", mixed_copies(&gpu, &src, &dst, &host));
     let mut baseline = None;
     stage(
         "scattered copies",

@@ -312,6 +312,22 @@ impl PinnedHostMemory {
     pub fn addr(&self) -> u64 {
         self.ptr as u64
     }
+
+    /// The address a kernel uses to read this memory (pinned host memory is mapped into the
+    /// GPU's address space; with unified addressing it equals [`Self::addr`]).
+    ///
+    /// # Errors
+    /// [`Error::Driver`].
+    pub fn device_ptr(&self) -> Result<u64, Error> {
+        self.gpu.bind()?;
+        let mut dptr = 0;
+        // SAFETY: the context is current; `ptr` is a live `cuMemHostAlloc` allocation; `dptr` is
+        // a valid out-pointer; flags must be 0.
+        check("cuMemHostGetDevicePointer", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut dptr, self.ptr.cast(), 0)
+        })?;
+        Ok(dptr)
+    }
 }
 
 impl Drop for PinnedHostMemory {

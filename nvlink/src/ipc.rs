@@ -7,6 +7,8 @@ use std::sync::Arc;
 use cudarc::driver::sys;
 use rixl_gpudirect::{DeviceMemory, Gpu};
 
+use crate::kernel::{BlockKernel, Descriptors, COPIES_PER_LAUNCH};
+
 /// Errors of the CUDA-IPC backend.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -43,7 +45,7 @@ pub enum IpcError {
     BadHandle(usize),
 }
 
-fn check(call: &'static str, rc: sys::CUresult) -> Result<(), IpcError> {
+pub(crate) fn check(call: &'static str, rc: sys::CUresult) -> Result<(), IpcError> {
     if rc == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
@@ -188,6 +190,8 @@ pub fn check_ranges(
 pub struct CopyStream {
     gpu: Arc<Gpu>,
     stream: sys::CUstream,
+    /// The block-copy kernel, loaded on first use (`None`: the driver cannot load it).
+    kernel: std::sync::OnceLock<Option<BlockKernel>>,
 }
 
 // SAFETY: the stream handle may be used from any thread with its context current (`bind`).
@@ -210,6 +214,7 @@ impl CopyStream {
         Ok(CopyStream {
             gpu: Arc::clone(gpu),
             stream,
+            kernel: std::sync::OnceLock::new(),
         })
     }
 
@@ -241,16 +246,17 @@ impl CopyStream {
     }
 
     /// Enqueues every copy on the stream and returns one completion for all of them (one event
-    /// after the last). With a driver of CUDA 12.8 or later they go in one
-    /// `cuMemcpyBatchAsync` call (see [`batch_copies_supported`]); the batch runs in stream
-    /// order, but its copies may run in any order among themselves, so destinations must not
-    /// overlap. Otherwise, or if the batch call fails, as [`Self::copy_each`]. Every range is
-    /// checked before anything is enqueued; every memory is kept alive until the copies finished.
+    /// after the last). Copies of up to [`KERNEL_MAX_COPY`] bytes, when there are several, go
+    /// to rixl's block-copy kernel, up to 4096 per launch; larger ones (and all of them where the
+    /// driver cannot load the kernel, see [`Self::uses_kernel`]) get a `cuMemcpyAsync` each.
+    /// The copies may run in any order among themselves, so destinations must not overlap.
+    /// Every range is checked before anything is enqueued; every memory is kept alive until the
+    /// copies finished.
     ///
     /// # Errors
     /// As [`Self::copy_each`].
     pub fn copy_all(&self, copies: Vec<DeviceCopy>) -> Result<PendingCopy, IpcError> {
-        self.enqueue(copies, batch_copies_supported())
+        self.enqueue(copies, true)
     }
 
     /// Enqueues the copies in order, one `cuMemcpyAsync` each, and returns one completion for
@@ -264,7 +270,24 @@ impl CopyStream {
         self.enqueue(copies, false)
     }
 
-    fn enqueue(&self, copies: Vec<DeviceCopy>, batch: bool) -> Result<PendingCopy, IpcError> {
+    /// Whether [`Self::copy_all`] can use the block-copy kernel on this GPU (loads it once).
+    pub fn uses_kernel(&self) -> bool {
+        self.kernel().is_some()
+    }
+
+    fn kernel(&self) -> Option<&BlockKernel> {
+        self.kernel
+            .get_or_init(|| match BlockKernel::load(&self.gpu) {
+                Ok(k) => Some(k),
+                Err(e) => {
+                    tracing::warn!(error = %e, "block-copy kernel not loaded: a cuMemcpyAsync per copy");
+                    None
+                }
+            })
+            .as_ref()
+    }
+
+    fn enqueue(&self, copies: Vec<DeviceCopy>, kernel: bool) -> Result<PendingCopy, IpcError> {
         for c in &copies {
             check_ranges(&*c.dst, c.dst_offset, &*c.src, c.src_offset, c.len)?;
         }
@@ -278,29 +301,55 @@ impl CopyStream {
             gpu: Arc::clone(&self.gpu),
             event,
             keep: Vec::with_capacity(copies.len()),
+            descs: Vec::new(),
             done: false,
         };
-        let mut failed = None;
-        if batch && copies.len() > 1 && self.batch(&copies).is_ok() {
-            pending.keep = copies;
+        let small = copies.iter().filter(|c| c.len <= KERNEL_MAX_COPY).count();
+        let kernel = if kernel && small > 1 {
+            self.kernel()
         } else {
-            for c in copies {
-                // SAFETY: both ranges are inside live device allocations (checked above;
-                // `pending` keeps them alive until its event completes). Unified addressing lets
-                // cuMemcpyAsync copy between any two device pointers.
-                let rc = unsafe {
-                    sys::cuMemcpyAsync(
-                        c.dst.device_addr() + c.dst_offset as u64,
-                        c.src.device_addr() + c.src_offset as u64,
-                        c.len,
-                        self.stream,
-                    )
-                };
-                pending.keep.push(c);
-                if let Err(e) = check("cuMemcpyAsync", rc) {
-                    failed = Some(e);
-                    break;
+            None
+        };
+        let mut failed = None;
+        let mut batch: Vec<[u64; 3]> = Vec::new();
+        for c in copies {
+            let (dst, src) = (
+                c.dst.device_addr() + c.dst_offset as u64,
+                c.src.device_addr() + c.src_offset as u64,
+            );
+            let (len, fits) = (c.len, c.len <= KERNEL_MAX_COPY);
+            pending.keep.push(c);
+            if let (Some(k), true) = (kernel, fits) {
+                batch.push([dst, src, len as u64]);
+                if batch.len() == COPIES_PER_LAUNCH {
+                    // SAFETY: as below.
+                    match unsafe { k.launch(&batch, self.stream) } {
+                        Ok(d) => pending.descs.push(d),
+                        Err(e) => {
+                            failed = Some(e);
+                            break;
+                        }
+                    }
+                    batch.clear();
                 }
+                continue;
+            }
+            // SAFETY: both ranges are inside live device allocations (checked above; `pending`
+            // keeps them alive until its event completes). Unified addressing lets
+            // cuMemcpyAsync copy between any two device pointers.
+            let rc = unsafe { sys::cuMemcpyAsync(dst, src, len, self.stream) };
+            if let Err(e) = check("cuMemcpyAsync", rc) {
+                failed = Some(e);
+                break;
+            }
+        }
+        if let (Some(k), None, false) = (kernel, &failed, batch.is_empty()) {
+            // SAFETY: the context is current; every triple is a checked range of memory that
+            // `pending` keeps alive until its event (recorded after this launch) completes;
+            // destinations do not overlap (the caller's contract); the stream is ours.
+            match unsafe { k.launch(&batch, self.stream) } {
+                Ok(d) => pending.descs.push(d),
+                Err(e) => failed = Some(e),
             }
         }
         // SAFETY: `event` was just created and `stream` is live.
@@ -321,64 +370,11 @@ impl CopyStream {
         drop(pending); // with the event recorded, waits for what was enqueued
         Err(err)
     }
-
-    /// Enqueues `copies` (ranges checked by the caller) in one `cuMemcpyBatchAsync`. On failure
-    /// the stream is drained first, so the caller may enqueue them again one by one.
-    fn batch(&self, copies: &[DeviceCopy]) -> Result<(), IpcError> {
-        let mut dsts: Vec<sys::CUdeviceptr> = copies
-            .iter()
-            .map(|c| c.dst.device_addr() + c.dst_offset as u64)
-            .collect();
-        let mut srcs: Vec<sys::CUdeviceptr> = copies
-            .iter()
-            .map(|c| c.src.device_addr() + c.src_offset as u64)
-            .collect();
-        let mut sizes: Vec<usize> = copies.iter().map(|c| c.len).collect();
-        let here = sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: self.gpu.ordinal(),
-        };
-        // One attribute for every copy: sources are read in stream order.
-        let mut attrs = sys::CUmemcpyAttributes {
-            srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
-            srcLocHint: here,
-            dstLocHint: here,
-            flags: 0,
-        };
-        let mut attr_index = 0usize;
-        let mut fail_index = usize::MAX;
-        // SAFETY: the context is current (bound by the caller) and the driver is 12.8 or later
-        // (`batch_copies_supported`), so the symbol exists with this signature. The three arrays
-        // have `copies.len()` entries of ranges inside live allocations (checked by the caller,
-        // kept alive by its `PendingCopy`); `attrs`/`attr_index` are one attribute applying from
-        // copy 0; `fail_index` is a valid out-pointer. The stream is a created (non-legacy) one.
-        let rc = unsafe {
-            sys::cuMemcpyBatchAsync(
-                dsts.as_mut_ptr(),
-                srcs.as_mut_ptr(),
-                sizes.as_mut_ptr(),
-                copies.len(),
-                &mut attrs,
-                &mut attr_index,
-                1,
-                &mut fail_index,
-                self.stream,
-            )
-        };
-        check("cuMemcpyBatchAsync", rc).inspect_err(|e| {
-            tracing::warn!(error = %e, fail_index, copies = copies.len(), "batch copy refused: copying one by one");
-            // SAFETY: `stream` is live; waits until any part of the batch that ran is done.
-            let _ = unsafe { sys::cuStreamSynchronize(self.stream) };
-        })
-    }
 }
 
-/// Whether device copies go in batches (`cuMemcpyBatchAsync`, CUDA driver 12.8 or later).
-pub fn batch_copies_supported() -> bool {
-    static SUPPORTED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *SUPPORTED
-        .get_or_init(|| rixl_gpudirect::probe().is_ok_and(|info| info.driver_version >= 12080))
-}
+/// The largest copy [`CopyStream::copy_all`] gives to the block-copy kernel; larger ones use the
+/// copy engines (`cuMemcpyAsync`), which reach full bandwidth on their own.
+pub const KERNEL_MAX_COPY: usize = 1 << 20;
 
 /// One device-to-device copy for [`CopyStream::copy_all`]: `len` bytes from `src` at
 /// `src_offset` to `dst` at `dst_offset`.
@@ -399,6 +395,11 @@ pub struct DeviceCopy {
 impl Drop for CopyStream {
     fn drop(&mut self) {
         let _ = self.gpu.bind();
+        if self.kernel.get().is_some_and(Option::is_some) {
+            // The kernel's module is unloaded after this: no launch of it may still run.
+            // SAFETY: `stream` is live; this only blocks until its work is done.
+            let _ = unsafe { sys::cuStreamSynchronize(self.stream) };
+        }
         // SAFETY: created in `new`, destroyed once; pending copies finish on their own (CUDA
         // completes enqueued work of a destroyed stream) and hold their memories.
         let rc = unsafe { sys::cuStreamDestroy_v2(self.stream) };
@@ -416,6 +417,8 @@ pub struct PendingCopy {
     gpu: Arc<Gpu>,
     event: sys::CUevent,
     keep: Vec<DeviceCopy>,
+    /// Descriptor buffers the block-copy kernel reads; back to their pool after the event.
+    descs: Vec<Descriptors>,
     done: bool,
 }
 

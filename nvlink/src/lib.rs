@@ -7,6 +7,7 @@
 //!   whose completion is polled (`cuEventQuery`), so the runtime can await them like RDMA work.
 
 pub mod ipc;
+mod kernel;
 
 use nvml_wrapper::enum_wrappers::device::{P2pCapabilitiesIndex, P2pStatus};
 use nvml_wrapper::Nvml;
