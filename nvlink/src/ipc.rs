@@ -304,34 +304,23 @@ impl CopyStream {
             descs: Vec::new(),
             done: false,
         };
-        let small = copies.iter().filter(|c| c.len <= KERNEL_MAX_COPY).count();
-        let kernel = if kernel && small > 1 {
+        let fits = copies.iter().filter(|c| c.len <= KERNEL_MAX_COPY).count();
+        let kernel = if kernel && fits > 1 {
             self.kernel()
         } else {
             None
         };
         let mut failed = None;
-        let mut batch: Vec<[u64; 3]> = Vec::new();
+        let mut small: Vec<[u64; 3]> = Vec::new();
         for c in copies {
             let (dst, src) = (
                 c.dst.device_addr() + c.dst_offset as u64,
                 c.src.device_addr() + c.src_offset as u64,
             );
-            let (len, fits) = (c.len, c.len <= KERNEL_MAX_COPY);
+            let len = c.len;
             pending.keep.push(c);
-            if let (Some(k), true) = (kernel, fits) {
-                batch.push([dst, src, len as u64]);
-                if batch.len() == COPIES_PER_LAUNCH {
-                    // SAFETY: as below.
-                    match unsafe { k.launch(&batch, self.stream) } {
-                        Ok(d) => pending.descs.push(d),
-                        Err(e) => {
-                            failed = Some(e);
-                            break;
-                        }
-                    }
-                    batch.clear();
-                }
+            if kernel.is_some() && len <= KERNEL_MAX_COPY {
+                small.push([dst, src, len as u64]);
                 continue;
             }
             // SAFETY: both ranges are inside live device allocations (checked above; `pending`
@@ -343,13 +332,19 @@ impl CopyStream {
                 break;
             }
         }
-        if let (Some(k), None, false) = (kernel, &failed, batch.is_empty()) {
-            // SAFETY: the context is current; every triple is a checked range of memory that
-            // `pending` keeps alive until its event (recorded after this launch) completes;
-            // destinations do not overlap (the caller's contract); the stream is ours.
-            match unsafe { k.launch(&batch, self.stream) } {
-                Ok(d) => pending.descs.push(d),
-                Err(e) => failed = Some(e),
+        if let (Some(k), None) = (kernel, &failed) {
+            for chunk in small.chunks(COPIES_PER_LAUNCH) {
+                // SAFETY: the context is current; every triple is a checked range of memory
+                // that `pending` keeps alive until its event (recorded after this launch)
+                // completes; destinations do not overlap (the caller's contract); the stream is
+                // ours.
+                match unsafe { k.launch(chunk, self.stream) } {
+                    Ok(d) => pending.descs.push(d),
+                    Err(e) => {
+                        failed = Some(e);
+                        break;
+                    }
+                }
             }
         }
         // SAFETY: `event` was just created and `stream` is live.
