@@ -100,6 +100,35 @@ fn child(args: &[String]) -> Result<(), BoxError> {
     Ok(())
 }
 
+/// `len` bytes of VRAM on GPU `ordinal`, registered with `a` and visible to every peer.
+fn vram(
+    a: &rixl::agent::Agent,
+    ordinal: i32,
+    len: usize,
+) -> Result<rixl::agent::Registration, BoxError> {
+    Ok(futures_lite::future::block_on(a.register_vram(
+        ordinal,
+        len,
+        rixl::agent::Visibility::All,
+    ))?)
+}
+
+/// The first `len` bytes of `r` as one local descriptor.
+fn whole(r: &rixl::agent::Registration, len: usize) -> rixl::runtime::LocalDescList {
+    let mut l = rixl::runtime::LocalDescList::new();
+    l.push(r.region(), 0, len as u64);
+    l
+}
+
+/// The first `len` bytes of the peer's region `region`.
+fn whole_remote(region: u64, len: usize) -> [rixl::agent::RemoteRef; 1] {
+    [rixl::agent::RemoteRef {
+        region,
+        offset: 0,
+        len: len as u64,
+    }]
+}
+
 fn agent_config() -> rixl::agent::AgentConfig {
     let mut cfg = rixl::agent::AgentConfig::default();
     cfg.engine.require_nic = false;
@@ -110,11 +139,7 @@ fn agent_config() -> rixl::agent::AgentConfig {
 fn agent_child(args: &[String]) -> Result<(), BoxError> {
     let len = (num(args, "--mib", 256)? as usize) << 20;
     let a = rixl::agent::Agent::new("gpu-peer", agent_config())?;
-    let reg = futures_lite::future::block_on(a.register_vram(
-        num(args, "--gpu", 0)? as i32,
-        len,
-        rixl::agent::Visibility::All,
-    ))?;
+    let reg = vram(&a, num(args, "--gpu", 0)? as i32, len)?;
     let host: Vec<u8> = (0..len).map(pattern).collect();
     reg.region().write_at(0, &host)?;
     let addr = a.listen("127.0.0.1:0")?;
@@ -293,19 +318,8 @@ fn scattered_write(
         times.push(t.elapsed().as_secs_f64());
     }
     let secs = median(&mut times);
-    let back = futures_lite::future::block_on(a.register_vram(
-        ordinal,
-        len,
-        rixl::agent::Visibility::All,
-    ))?;
-    let mut whole = rixl::runtime::LocalDescList::new();
-    whole.push(back.region(), 0, len as u64);
-    let all = [rixl::agent::RemoteRef {
-        region,
-        offset: 0,
-        len: len as u64,
-    }];
-    futures_lite::future::block_on(a.read(peer, &whole, &all))?;
+    let back = vram(a, ordinal, len)?;
+    futures_lite::future::block_on(a.read(peer, &whole(&back, len), &whole_remote(region, len)))?;
     let mut host = vec![0u8; len];
     back.region().read_at(0, &mut host)?;
     for i in 0..blocks {
@@ -340,20 +354,10 @@ fn dropped_future(
     ordinal: i32,
 ) -> Result<(), BoxError> {
     use futures_lite::future::{block_on, poll_once};
-    let vram = || block_on(a.register_vram(ordinal, len, rixl::agent::Visibility::All));
-    let whole = |r: &rixl::agent::Registration| {
-        let mut l = rixl::runtime::LocalDescList::new();
-        l.push(r.region(), 0, len as u64);
-        l
-    };
-    let remote = [rixl::agent::RemoteRef {
-        region,
-        offset: 0,
-        len: len as u64,
-    }];
-    let source = vram()?;
+    let remote = whole_remote(region, len);
+    let source = vram(a, ordinal, len)?;
     source.region().write_at(0, &vec![0xab; len])?;
-    let local = whole(&source);
+    let local = whole(&source, len);
     let mut fut = Box::pin(a.write(peer, &local, &remote));
     let state = match block_on(poll_once(&mut fut)) {
         None => "in flight",
@@ -365,8 +369,8 @@ fn dropped_future(
     drop(fut);
     drop(local);
     drop(source);
-    let back = vram()?;
-    block_on(a.read(peer, &whole(&back), &remote))?;
+    let back = vram(a, ordinal, len)?;
+    block_on(a.read(peer, &whole(&back, len), &remote))?;
     let mut host = vec![0u8; len];
     back.region().read_at(0, &mut host)?;
     if let Some(i) = host.iter().position(|&b| b != 0xab) {
@@ -406,18 +410,8 @@ fn agent_stage(
     };
     let a = rixl::agent::Agent::new("gpu-check", agent_config())?;
     let name = a.fetch_remote_metadata(&addr)?;
-    let mine = futures_lite::future::block_on(a.register_vram(
-        ordinal,
-        len,
-        rixl::agent::Visibility::All,
-    ))?;
-    let mut local = rixl::runtime::LocalDescList::new();
-    local.push(mine.region(), 0, len as u64);
-    let remote = [rixl::agent::RemoteRef {
-        region,
-        offset: 0,
-        len: len as u64,
-    }];
+    let mine = vram(&a, ordinal, len)?;
+    let (local, remote) = (whole(&mine, len), whole_remote(region, len));
     // The first transfer to a peer discovers the topology and opens the peer's IPC handle.
     let t = Instant::now();
     let mut st = futures_lite::future::block_on(a.read(&name, &local, &remote))?;
