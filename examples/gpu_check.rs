@@ -153,6 +153,7 @@ fn agent_child(args: &[String]) -> Result<(), BoxError> {
 const BLOCK: usize = 64 << 10;
 const BLOCKS: usize = 1024;
 const ROUNDS: usize = 5;
+const SINGLE_ROUNDS: usize = 101;
 
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -162,14 +163,14 @@ fn median(v: &mut [f64]) -> f64 {
 /// The floor for the scattered write: the same reversed 64 KiB block copies between two buffers
 /// of this process on one stream with one completion event, no agent, no engine, no IPC: once
 /// as a `cuMemcpyAsync` per block (`CopyStream::copy_each`), once as what the agent uses
-/// (`copy_all`: one launch of rixl's block-copy kernel where the driver loads it). Returns
-/// `copy_all`'s median seconds.
+/// (`copy_all`: one launch of rixl's block-copy kernel where the driver loads it); and one block
+/// alone.
 fn scattered_baseline(
     gpu: &Arc<Gpu>,
     src: &Arc<DeviceMemory>,
     dst: &Arc<DeviceMemory>,
     len: usize,
-) -> Result<f64, BoxError> {
+) -> Result<Floor, BoxError> {
     let blocks = (len / BLOCK).min(BLOCKS);
     let stream = CopyStream::new(gpu)?;
     let (s, d): (Arc<dyn DeviceRange>, Arc<dyn DeviceRange>) = (src.clone(), dst.clone());
@@ -209,6 +210,14 @@ fn scattered_baseline(
     };
     let each = run(false)?;
     let all = run(true)?;
+    let mut times = Vec::with_capacity(SINGLE_ROUNDS);
+    for _ in 0..SINGLE_ROUNDS {
+        let t = Instant::now();
+        let mut p = stream.copy(d.clone(), 0, s.clone(), 0, BLOCK)?;
+        while !p.poll()? {}
+        times.push(t.elapsed().as_secs_f64());
+    }
+    let single = median(&mut times);
     println!(
         "  {blocks} scattered {} KiB block copies in one process, one stream, one event, median of {ROUNDS}: a cuMemcpyAsync each {:.1} µs ({:.0} copies/s); copy_all ({}) {:.1} µs ({:.0} copies/s, {:.1}x faster); verified",
         BLOCK >> 10,
@@ -223,7 +232,21 @@ fn scattered_baseline(
         blocks as f64 / all,
         each / all
     );
-    Ok(all)
+    println!(
+        "  one {} KiB copy (cuMemcpyAsync, event polled), median of {SINGLE_ROUNDS}: {:.1} µs",
+        BLOCK >> 10,
+        single * 1e6
+    );
+    Ok(Floor { all, single })
+}
+
+/// The bare-copy times the agent's figures are compared with (median seconds).
+#[derive(Debug, Clone, Copy)]
+struct Floor {
+    /// 1024 scattered blocks through `copy_all`.
+    all: f64,
+    /// One block.
+    single: f64,
 }
 
 /// `copy_all` on an awkward mix, checked byte for byte: 5000 copies (more than one kernel
@@ -297,7 +320,7 @@ fn scattered_write(
     region: u64,
     len: usize,
     ordinal: i32,
-    baseline: Option<f64>,
+    baseline: Option<Floor>,
 ) -> Result<(), BoxError> {
     let blocks = (len / BLOCK).min(BLOCKS);
     let mut local = rixl::runtime::LocalDescList::new();
@@ -337,7 +360,30 @@ fn scattered_write(
         blocks as f64 / secs,
         baseline.map_or(String::new(), |b| format!(
             " ({:.2}x the time of the bare copies)",
-            secs / b
+            secs / b.all
+        ))
+    );
+    let mut one = rixl::runtime::LocalDescList::new();
+    one.push(mine.region(), 0, BLOCK as u64);
+    let to = [rixl::agent::RemoteRef {
+        region,
+        offset: 0,
+        len: BLOCK as u64,
+    }];
+    let mut times = Vec::with_capacity(SINGLE_ROUNDS);
+    for _ in 0..SINGLE_ROUNDS {
+        let t = Instant::now();
+        futures_lite::future::block_on(a.write(peer, &one, &to))?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    let single = median(&mut times);
+    println!(
+        "  one {} KiB agent.write to the peer's VRAM, median of {SINGLE_ROUNDS}: {:.1} µs{}",
+        BLOCK >> 10,
+        single * 1e6,
+        baseline.map_or(String::new(), |b| format!(
+            " ({:.1} µs more than the bare copy)",
+            (single - b.single) * 1e6
         ))
     );
     Ok(())
@@ -387,7 +433,7 @@ fn agent_stage(
     len: usize,
     iters: usize,
     ordinal: i32,
-    baseline: Option<f64>,
+    baseline: Option<Floor>,
 ) -> Result<(), BoxError> {
     use std::io::{BufRead, Write};
     let mut peer = std::process::Command::new(std::env::current_exe()?)
