@@ -429,6 +429,51 @@ fn dropped_future(
     Ok(())
 }
 
+/// A transfer past its deadline: a second agent whose transfers may take 1 µs writes the peer's
+/// whole region. Its future ends in `Timeout`, its source registration is dropped at once, and
+/// the copies still finish from live memory: the peer's region, read back later, holds the
+/// source's bytes.
+fn timed_out(
+    a: &rixl::agent::Agent,
+    peer: &str,
+    addr: &str,
+    region: u64,
+    len: usize,
+    ordinal: i32,
+) -> Result<(), BoxError> {
+    use futures_lite::future::block_on;
+    let mut cfg = agent_config();
+    cfg.engine.transfer_timeout = std::time::Duration::from_micros(1);
+    let b = rixl::agent::Agent::new("gpu-check-deadline", cfg)?;
+    let name = b.fetch_remote_metadata(addr)?;
+    let source = vram(&b, ordinal, len)?;
+    source.region().write_at(0, &vec![0x5a; len])?;
+    let res = block_on(b.write(&name, &whole(&source, len), &whole_remote(region, len)));
+    drop(source);
+    match res {
+        Err(rixl::agent::AgentError::Ipc(rixl::nvlink::ipc::IpcError::Timeout(t))) => {
+            println!("  agent.write past a {t:?} deadline: Timeout")
+        }
+        Ok(_) => return Err("the 1 µs transfer did not time out".into()),
+        Err(e) => return Err(format!("expected Timeout, got {e}").into()),
+    }
+    // The detached copies are long done after this (256 MiB take ~0.2 ms).
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let back = vram(a, ordinal, len)?;
+    block_on(a.read(peer, &whole(&back, len), &whole_remote(region, len)))?;
+    let mut host = vec![0u8; len];
+    back.region().read_at(0, &mut host)?;
+    if let Some(i) = host.iter().position(|&x| x != 0x5a) {
+        return Err(format!("after the timeout: byte {i} at the peer is {:#x}", host[i]).into());
+    }
+    println!(
+        "    the timed-out copies finished from live memory (source registration dropped at the timeout): {} MiB verified at the peer",
+        len >> 20
+    );
+    b.shutdown();
+    Ok(())
+}
+
 fn agent_stage(
     len: usize,
     iters: usize,
@@ -481,6 +526,7 @@ fn agent_stage(
     );
     scattered_write(&a, &name, &mine, region, len, ordinal, baseline)?;
     dropped_future(&a, &name, region, len, ordinal)?;
+    timed_out(&a, &name, &addr, region, len, ordinal)?;
     if let Some(mut stdin) = peer.stdin.take() {
         let _ = writeln!(stdin, "done");
     }

@@ -68,9 +68,9 @@ enum Command {
         reply: Reply<Result<TransferStats, TransferError>>,
     },
     FileCounters(Reply<FileCounters>),
-    DeviceCopies(
-        std::sync::Arc<rixl_nvlink::ipc::CopyStream>,
-        Vec<DeviceCopy>,
+    /// Copies already enqueued (by the caller's thread), to be awaited on the core.
+    AwaitCopies(
+        rixl_nvlink::ipc::PendingCopy,
         Reply<Result<(), rixl_nvlink::ipc::IpcError>>,
     ),
     Shutdown(Reply<()>),
@@ -148,18 +148,23 @@ impl EngineHandle {
         .unwrap_or(Err(TransferError::EngineGone))
     }
 
-    /// Enqueues `copies` on `stream` and waits for their CUDA events on this engine's core (the
-    /// same core that polls its RDMA completions), so a CUDA-IPC transfer is a future like an
-    /// RDMA one. Every range is checked before anything is enqueued.
+    /// Enqueues `copies` on `stream` from the calling thread (CUDA streams may be used from any
+    /// thread, and the copies start without waiting for the core), then waits for their CUDA
+    /// event on this engine's core (the same core that polls its RDMA completions), so a
+    /// CUDA-IPC transfer is a future like an RDMA one, with the same deadline
+    /// (`transfer_timeout`). Every range is checked before anything is enqueued.
     ///
     /// # Errors
-    /// [`rixl_nvlink::ipc::IpcError`] for a bad range or a failing copy.
+    /// [`rixl_nvlink::ipc::IpcError`] for a bad range, a failing copy, or the deadline.
     pub async fn device_copies(
         &self,
         stream: std::sync::Arc<rixl_nvlink::ipc::CopyStream>,
         copies: Vec<DeviceCopy>,
     ) -> Result<(), rixl_nvlink::ipc::IpcError> {
-        ask(&self.tx, |r| Command::DeviceCopies(stream, copies, r))
+        let pending = stream.copy_all(copies)?;
+        // If the engine is gone, the command (and the copies in it) is dropped here, and
+        // dropping waits for the GPU before their memory can go.
+        ask(&self.tx, |r| Command::AwaitCopies(pending, r))
             .await
             .unwrap_or(Err(rixl_nvlink::ipc::IpcError::Gpu(
                 rixl_gpudirect::Error::InvalidArgument("the engine has shut down".into()),
@@ -391,14 +396,6 @@ fn serve_core(
     (handle, serve(engine, id, cfg, rx))
 }
 
-async fn run_device_copies(
-    stream: &rixl_nvlink::ipc::CopyStream,
-    copies: Vec<DeviceCopy>,
-) -> Result<(), rixl_nvlink::ipc::IpcError> {
-    // Every range is checked before anything is enqueued; one event completes them all.
-    crate::gpu::wait_copy(stream.copy_all(copies)?).await
-}
-
 fn spawn(f: impl std::future::Future<Output = ()> + 'static) {
     glommio::spawn_local(f).detach();
 }
@@ -557,24 +554,10 @@ async fn serve(
                 })
                 .detach();
             }
-            Command::DeviceCopies(stream, copies, r) => {
-                // The copies run in their own task (it owns their memory until the GPU is done);
-                // the reply races them against the transfer deadline.
-                let (tx, rx) = futures_channel::oneshot::channel();
-                spawn(async move {
-                    let _ = tx.send(run_device_copies(&stream, copies).await);
-                });
+            Command::AwaitCopies(pending, r) => {
                 let timeout = cfg.transfer_timeout;
                 spawn(async move {
-                    let done = async { rx.await.ok() };
-                    let expired = async {
-                        glommio::timer::sleep(timeout).await;
-                        None
-                    };
-                    let res = futures_lite::future::or(done, expired)
-                        .await
-                        .unwrap_or(Err(rixl_nvlink::ipc::IpcError::Timeout(timeout)));
-                    let _ = r.send(res);
+                    let _ = r.send(crate::gpu::wait_copy_for(pending, timeout).await);
                 });
             }
             Command::FileCounters(r) => {
