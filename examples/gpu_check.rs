@@ -430,7 +430,7 @@ fn dropped_future(
 }
 
 /// A transfer past its deadline: a second agent whose transfers may take 1 µs writes the peer's
-/// whole region. Its future ends in `Timeout`, its source registration is dropped at once, and
+/// whole region 64 times over. Its future ends in `Timeout`, its source registration is dropped at once, and
 /// the copies still finish from live memory: the peer's region, read back later, holds the
 /// source's bytes.
 fn timed_out(
@@ -448,7 +448,15 @@ fn timed_out(
     let name = b.fetch_remote_metadata(addr)?;
     let source = vram(&b, ordinal, len)?;
     source.region().write_at(0, &vec![0x5a; len])?;
-    let res = block_on(b.write(&name, &whole(&source, len), &whole_remote(region, len)));
+    // 64 passes over the peer's whole region (overlapping destinations are fine here: every
+    // source byte is the same): ~9 ms of copying on an H200, far past the deadline.
+    let mut local = rixl::runtime::LocalDescList::new();
+    for _ in 0..64 {
+        local.push(source.region(), 0, len as u64);
+    }
+    let remote = vec![whole_remote(region, len)[0]; 64];
+    let res = block_on(b.write(&name, &local, &remote));
+    drop(local);
     drop(source);
     match res {
         Err(rixl::agent::AgentError::Ipc(rixl::nvlink::ipc::IpcError::Timeout(t))) => {
@@ -471,6 +479,48 @@ fn timed_out(
         len >> 20
     );
     b.shutdown();
+    Ok(())
+}
+
+/// The fixed cost of one small CUDA-IPC transfer with the engine's core spinning before it
+/// sleeps (the default) and with it sleeping at once: a second agent with `spin_before_park`
+/// zero, both writing one 64 KiB block to the peer, in alternating rounds.
+fn spin_ab(
+    a: &rixl::agent::Agent,
+    peer: &str,
+    addr: &str,
+    region: u64,
+    ordinal: i32,
+) -> Result<(), BoxError> {
+    use futures_lite::future::block_on;
+    let mut cfg = agent_config();
+    cfg.engine.spin_before_park = std::time::Duration::ZERO;
+    let c = rixl::agent::Agent::new("gpu-check-sleepy", cfg)?;
+    let c_peer = c.fetch_remote_metadata(addr)?;
+    let (mine_a, mine_c) = (vram(a, ordinal, BLOCK)?, vram(&c, ordinal, BLOCK)?);
+    let (la, lc) = (whole(&mine_a, BLOCK), whole(&mine_c, BLOCK));
+    let to = whole_remote(region, BLOCK);
+    let (mut ta, mut tc) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        for _ in 0..21 {
+            let t = Instant::now();
+            block_on(a.write(peer, &la, &to))?;
+            ta.push(t.elapsed().as_secs_f64());
+        }
+        for _ in 0..21 {
+            let t = Instant::now();
+            block_on(c.write(&c_peer, &lc, &to))?;
+            tc.push(t.elapsed().as_secs_f64());
+        }
+    }
+    println!(
+        "  one {} KiB agent.write, 5 alternating rounds of 21: core spins {:?} before sleeping (default) {:.1} µs median, sleeps at once {:.1} µs median",
+        BLOCK >> 10,
+        rixl::runtime::EngineConfig::default().spin_before_park,
+        median(&mut ta) * 1e6,
+        median(&mut tc) * 1e6
+    );
+    c.shutdown();
     Ok(())
 }
 
@@ -526,6 +576,7 @@ fn agent_stage(
     );
     scattered_write(&a, &name, &mine, region, len, ordinal, baseline)?;
     dropped_future(&a, &name, region, len, ordinal)?;
+    spin_ab(&a, &name, &addr, region, ordinal)?;
     timed_out(&a, &name, &addr, region, len, ordinal)?;
     if let Some(mut stdin) = peer.stdin.take() {
         let _ = writeln!(stdin, "done");

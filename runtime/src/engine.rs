@@ -88,6 +88,11 @@ pub struct EngineConfig {
     /// after another without waiting in between (on rxe a completion is often there before
     /// the future first waits): every other one waits for the end of the turn.
     pub coalesce: bool,
+    /// How long an engine's core spins for new work before it sleeps (glommio's
+    /// `spin_before_park`; zero: it sleeps at once). A sleeping core takes a cross-thread
+    /// wake-up (an eventfd and a scheduler round, tens of µs in a VM) to see the next command
+    /// from another thread, such as a CUDA-IPC transfer's copies to await.
+    pub spin_before_park: Duration,
     /// Fail to start when no RDMA device can be opened (`false`: such a core still serves host
     /// memory and the FILE tier; RDMA calls then fail with a typed error).
     pub require_nic: bool,
@@ -115,6 +120,7 @@ impl Default for EngineConfig {
             recv_spin_polls: 50_000,
             timing: false,
             coalesce: false,
+            spin_before_park: Duration::from_micros(100),
             require_nic: true,
             file: crate::file::FileConfig::default(),
         }

@@ -608,6 +608,7 @@ impl EnginePool {
             let join = LocalExecutorBuilder::new(Placement::Fixed(cpu))
                 .name(&format!("rixl-engine-{i}"))
                 .io_memory(io_memory)
+                .spin_before_park(cfg.spin_before_park)
                 .spawn(move || async move {
                     let require = cfg.require_nic;
                     let core_cfg = cfg.clone();
