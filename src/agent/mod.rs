@@ -939,7 +939,10 @@ impl Agent {
         v
     }
 
-    /// RDMA WRITE of `local` to the peer's regions.
+    /// RDMA WRITE of `local` to the peer's regions. Between GPU memory of two processes on one
+    /// node, where the topology says so, the pieces are device copies over CUDA IPC instead.
+    /// Pieces may land in any order: destinations that overlap end up with either piece's bytes
+    /// (or a mix).
     ///
     /// # Errors
     /// [`AgentError::UnknownPeer`], [`AgentError::UnknownRegion`],
