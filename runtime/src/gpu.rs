@@ -23,7 +23,7 @@ const POLLS_PER_CLOCK_READ: u32 = 64;
 
 /// [`wait_copy`] for at most `timeout`. Past it, the answer is [`IpcError::Timeout`] and the
 /// copies are left to finish in a detached task on this executor, which keeps their memory alive
-/// until the GPU is done with it.
+/// until the GPU is done with it. It must run on a glommio executor (an engine's core).
 ///
 /// # Errors
 /// [`IpcError::Driver`] if the copy failed; [`IpcError::Timeout`] after `timeout`.
