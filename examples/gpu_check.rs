@@ -6,8 +6,9 @@
 //!    opens the handle and copies it into its own buffer through rixl, bytes verified;
 //! 3. host<->device through pinned memory next to pageable memory;
 //! 4. 1024 scattered 64 KiB block copies on one stream with one event, a `cuMemcpyAsync` each
-//!    next to rixl's block-copy kernel (`copy_all`, the floor for 5); and `copy_all` on 5000
-//!    copies of odd sizes and offsets plus two large ones, checked byte for byte;
+//!    next to rixl's block-copy kernel (`copy_all`, the floor for 5); `copy_all` on 5000
+//!    copies of odd sizes and offsets plus large ones, checked byte for byte; and both for 2 to
+//!    256 copies of 64 KiB and 1 MiB (where the kernel pays);
 //! 5. the agent API between two processes on one node, routed by the topology to CUDA IPC (no
 //!    NIC needed): a peer agent's VRAM read with `agent.read(...)`; 1024 scattered 64 KiB blocks
 //!    written to it in reversed order with one `agent.write` (time next to the floor); a write
@@ -250,8 +251,9 @@ struct Floor {
 }
 
 /// `copy_all` on an awkward mix, checked byte for byte: 5000 copies (more than one kernel
-/// launch holds) of 1 B to 16 KiB at odd offsets, mirrored end to end, plus two 2 MiB copies
-/// (past the kernel's limit: copy engines) in the same call.
+/// launch holds) of 1 B to 16 KiB and eight of 64 KiB to 1 MiB (several kernel pieces each), at
+/// odd offsets, mirrored end to end, plus two 2 MiB copies (past the kernel's limit: copy
+/// engines) in the same call.
 fn mixed_copies(
     gpu: &Arc<Gpu>,
     src: &Arc<DeviceMemory>,
@@ -264,6 +266,12 @@ fn mixed_copies(
         let len = 1 + pattern(i) as usize * 64 + pattern(i + 7) as usize % 61;
         pieces.push((at, len));
         at += len + pattern(i + 3) as usize % 5;
+    }
+    // Past one kernel piece (64 KiB) up to the kernel's limit: split over several blocks.
+    for i in 0..8usize {
+        let len = (65_537 + i * 130_001).min(rixl::nvlink::ipc::KERNEL_MAX_COPY);
+        pieces.push((at, len));
+        at += len + 3;
     }
     for _ in 0..2 {
         pieces.push((at, 2 << 20));
@@ -298,8 +306,8 @@ fn mixed_copies(
         return Err(format!("mixed copies: byte {i} of {span} differs").into());
     }
     println!(
-        "  copy_all on {} copies of 1 B..16 KiB at odd offsets plus two 2 MiB ({}): {} bytes checked, every byte as expected",
-        pieces.len() - 2,
+        "  copy_all on {} copies of 1 B..16 KiB, eight of 64 KiB..1 MiB, all at odd offsets, plus two 2 MiB ({}): {} bytes checked, every byte as expected",
+        pieces.len() - 10,
         if stream.uses_kernel() {
             "kernel launches and copy engines"
         } else {
@@ -307,6 +315,58 @@ fn mixed_copies(
         },
         span
     );
+    Ok(())
+}
+
+/// Where the kernel pays: `copy_each` (a `cuMemcpyAsync` per copy) next to `copy_all` for 2, 16
+/// and 256 copies of 64 KiB and of 1 MiB (median of 5 each).
+fn crossover(
+    gpu: &Arc<Gpu>,
+    src: &Arc<DeviceMemory>,
+    dst: &Arc<DeviceMemory>,
+) -> Result<(), BoxError> {
+    let stream = CopyStream::new(gpu)?;
+    let (s, d): (Arc<dyn DeviceRange>, Arc<dyn DeviceRange>) = (src.clone(), dst.clone());
+    let mut line = String::from("  copy_each vs copy_all, median of 5 (µs):");
+    for size in [64usize << 10, 1 << 20] {
+        for count in [2usize, 16, 256] {
+            if size * count > src.len() {
+                continue;
+            }
+            let copies = || -> Vec<DeviceCopy> {
+                (0..count)
+                    .map(|i| DeviceCopy {
+                        dst: d.clone(),
+                        dst_offset: (count - 1 - i) * size,
+                        src: s.clone(),
+                        src_offset: i * size,
+                        len: size,
+                    })
+                    .collect()
+            };
+            let mut t = [Vec::new(), Vec::new()];
+            for _ in 0..5 {
+                for (k, times) in t.iter_mut().enumerate() {
+                    let t0 = Instant::now();
+                    let mut p = if k == 0 {
+                        stream.copy_each(copies())?
+                    } else {
+                        stream.copy_all(copies())?
+                    };
+                    while !p.poll()? {}
+                    times.push(t0.elapsed().as_secs_f64());
+                }
+            }
+            let [mut each, mut all] = t;
+            line += &format!(
+                " {count}x{}K {:.1}/{:.1};",
+                size >> 10,
+                median(&mut each) * 1e6,
+                median(&mut all) * 1e6
+            );
+        }
+    }
+    println!("{line}");
     Ok(())
 }
 
@@ -737,6 +797,7 @@ fn main() -> Result<(), BoxError> {
     stage("CUDA IPC", ipc(&src, len, iters, ordinal));
     stage("host<->device", host_device(&gpu, &dst, &host, iters));
     stage("mixed copies", mixed_copies(&gpu, &src, &dst, &host));
+    stage("crossover", crossover(&gpu, &src, &dst));
     let mut baseline = None;
     stage(
         "scattered copies",

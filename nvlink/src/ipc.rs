@@ -247,7 +247,7 @@ impl CopyStream {
 
     /// Enqueues every copy on the stream and returns one completion for all of them (one event
     /// after the last). Copies of up to [`KERNEL_MAX_COPY`] bytes, when there are several, go
-    /// to rixl's block-copy kernel, up to 4096 per launch; larger ones (and all of them where the
+    /// to rixl's block-copy kernel in pieces of up to 64 KiB, 4096 pieces per launch; larger ones (and all of them where the
     /// driver cannot load the kernel, see [`Self::uses_kernel`]) get a `cuMemcpyAsync` each.
     /// The copies may run in any order among themselves, so destinations must not overlap.
     /// Every range is checked before anything is enqueued; every memory is kept alive until the
@@ -320,7 +320,14 @@ impl CopyStream {
             let len = c.len;
             pending.keep.push(c);
             if kernel.is_some() && len <= KERNEL_MAX_COPY {
-                small.push([dst, src, len as u64]);
+                // One thread block per piece of at most KERNEL_PIECE bytes, so a larger copy is
+                // spread over several SMs (offsets stay 16-byte aligned if the copy's are).
+                let mut at = 0;
+                while at < len as u64 {
+                    let n = (len as u64 - at).min(KERNEL_PIECE);
+                    small.push([dst + at, src + at, n]);
+                    at += n;
+                }
                 continue;
             }
             // SAFETY: both ranges are inside live device allocations (checked above; `pending`
@@ -370,6 +377,9 @@ impl CopyStream {
 /// The largest copy [`CopyStream::copy_all`] gives to the block-copy kernel; larger ones use the
 /// copy engines (`cuMemcpyAsync`), which reach full bandwidth on their own.
 pub const KERNEL_MAX_COPY: usize = 1 << 20;
+
+/// The kernel copies each piece of at most this many bytes with one thread block.
+const KERNEL_PIECE: u64 = 64 << 10;
 
 /// One device-to-device copy for [`CopyStream::copy_all`]: `len` bytes from `src` at
 /// `src_offset` to `dst` at `dst_offset`.
