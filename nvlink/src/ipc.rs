@@ -320,14 +320,7 @@ impl CopyStream {
             let len = c.len;
             pending.keep.push(c);
             if kernel.is_some() && len <= KERNEL_MAX_COPY {
-                // One thread block per piece of at most KERNEL_PIECE bytes, so a larger copy is
-                // spread over several SMs (offsets stay 16-byte aligned if the copy's are).
-                let mut at = 0;
-                while at < len as u64 {
-                    let n = (len as u64 - at).min(KERNEL_PIECE);
-                    small.push([dst + at, src + at, n]);
-                    at += n;
-                }
+                push_pieces(&mut small, dst, src, len as u64);
                 continue;
             }
             // SAFETY: both ranges are inside live device allocations (checked above; `pending`
@@ -380,6 +373,18 @@ pub const KERNEL_MAX_COPY: usize = 1 << 20;
 
 /// The kernel copies each piece of at most this many bytes with one thread block.
 const KERNEL_PIECE: u64 = 64 << 10;
+
+/// Appends the kernel's (dst, src, len) pieces of one copy: at most [`KERNEL_PIECE`] bytes each,
+/// so a larger copy is spread over several SMs. Pieces start at multiples of `KERNEL_PIECE` from
+/// the copy's start, so they stay 16-byte aligned when the copy is. A zero-length copy has none.
+fn push_pieces(out: &mut Vec<[u64; 3]>, dst: u64, src: u64, len: u64) {
+    let mut at = 0;
+    while at < len {
+        let n = (len - at).min(KERNEL_PIECE);
+        out.push([dst + at, src + at, n]);
+        at += n;
+    }
+}
 
 /// One device-to-device copy for [`CopyStream::copy_all`]: `len` bytes from `src` at
 /// `src_offset` to `dst` at `dst_offset`.
@@ -461,5 +466,28 @@ impl Drop for PendingCopy {
         }
         // SAFETY: created in `CopyStream::copy`, destroyed once here.
         let _ = unsafe { sys::cuEventDestroy_v2(self.event) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pieces_cover_a_copy_exactly_in_aligned_blocks_of_at_most_64_kib() {
+        let p = KERNEL_PIECE;
+        for len in [0, 1, 15, p - 1, p, p + 1, 3 * p, 3 * p + 17, 1 << 20] {
+            let mut out = Vec::new();
+            push_pieces(&mut out, 0x10_0000, 0x90_0010, len);
+            assert_eq!(out.len() as u64, len.div_ceil(p), "len {len}");
+            let mut at = 0;
+            for &[d, s, n] in &out {
+                assert!(n > 0 && n <= p, "len {len}: piece of {n}");
+                assert_eq!((d, s), (0x10_0000 + at, 0x90_0010 + at), "len {len}");
+                assert_eq!(at % p, 0, "pieces start on piece boundaries");
+                at += n;
+            }
+            assert_eq!(at, len, "the pieces add up to the copy");
+        }
     }
 }
