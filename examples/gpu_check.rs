@@ -114,6 +114,38 @@ fn vram(
     ))?)
 }
 
+/// The peer's region `region` (its first `len` bytes), read into fresh VRAM with `agent.read`
+/// and copied to the host.
+fn read_back(
+    a: &rixl::agent::Agent,
+    peer: &str,
+    region: u64,
+    len: usize,
+    ordinal: i32,
+) -> Result<Vec<u8>, BoxError> {
+    let back = vram(a, ordinal, len)?;
+    futures_lite::future::block_on(a.read(peer, &whole(&back, len), &whole_remote(region, len)))?;
+    let mut host = vec![0u8; len];
+    back.region().read_at(0, &mut host)?;
+    Ok(host)
+}
+
+/// Checks that every one of the first `len` bytes of the peer's region `region` is `value`.
+fn peer_all(
+    a: &rixl::agent::Agent,
+    peer: &str,
+    region: u64,
+    len: usize,
+    ordinal: i32,
+    value: u8,
+) -> Result<(), BoxError> {
+    let host = read_back(a, peer, region, len, ordinal)?;
+    match host.iter().position(|&b| b != value) {
+        Some(i) => Err(format!("byte {i} at the peer is {:#x}, not {value:#x}", host[i]).into()),
+        None => Ok(()),
+    }
+}
+
 /// The first `len` bytes of `r` as one local descriptor.
 fn whole(r: &rixl::agent::Registration, len: usize) -> rixl::runtime::LocalDescList {
     let mut l = rixl::runtime::LocalDescList::new();
@@ -151,6 +183,36 @@ fn agent_child(args: &[String]) -> Result<(), BoxError> {
     Ok(())
 }
 
+/// `count` copies of `size` bytes from `s` to `d`, blocks in reversed order.
+fn reversed(
+    s: &Arc<dyn DeviceRange>,
+    d: &Arc<dyn DeviceRange>,
+    count: usize,
+    size: usize,
+) -> Vec<DeviceCopy> {
+    (0..count)
+        .map(|i| DeviceCopy {
+            dst: d.clone(),
+            dst_offset: (count - 1 - i) * size,
+            src: s.clone(),
+            src_offset: i * size,
+            len: size,
+        })
+        .collect()
+}
+
+/// Seconds for `copies` through `copy_all` (`all`) or `copy_each`, until their event is done.
+fn timed(stream: &CopyStream, copies: Vec<DeviceCopy>, all: bool) -> Result<f64, BoxError> {
+    let t = Instant::now();
+    let mut p = if all {
+        stream.copy_all(copies)?
+    } else {
+        stream.copy_each(copies)?
+    };
+    while !p.poll()? {}
+    Ok(t.elapsed().as_secs_f64())
+}
+
 const BLOCK: usize = 64 << 10;
 const BLOCKS: usize = 1024;
 const ROUNDS: usize = 5;
@@ -159,6 +221,20 @@ const SINGLE_ROUNDS: usize = 101;
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
+}
+
+/// The median seconds of `rounds` calls of `f`.
+fn median_time(
+    rounds: usize,
+    mut f: impl FnMut() -> Result<(), BoxError>,
+) -> Result<f64, BoxError> {
+    let mut times = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let t = Instant::now();
+        f()?;
+        times.push(t.elapsed().as_secs_f64());
+    }
+    Ok(median(&mut times))
 }
 
 /// The floor for the scattered write: the same reversed 64 KiB block copies between two buffers
@@ -175,29 +251,11 @@ fn scattered_baseline(
     let blocks = (len / BLOCK).min(BLOCKS);
     let stream = CopyStream::new(gpu)?;
     let (s, d): (Arc<dyn DeviceRange>, Arc<dyn DeviceRange>) = (src.clone(), dst.clone());
-    let copies = || -> Vec<DeviceCopy> {
-        (0..blocks)
-            .map(|i| DeviceCopy {
-                dst: d.clone(),
-                dst_offset: (blocks - 1 - i) * BLOCK,
-                src: s.clone(),
-                src_offset: i * BLOCK,
-                len: BLOCK,
-            })
-            .collect()
-    };
-    let run = |batched: bool| -> Result<f64, BoxError> {
+    let run = |all: bool| -> Result<f64, BoxError> {
         let mut times = Vec::with_capacity(ROUNDS);
         for _ in 0..ROUNDS {
             dst.fill(0)?;
-            let t = Instant::now();
-            let mut p = if batched {
-                stream.copy_all(copies())?
-            } else {
-                stream.copy_each(copies())?
-            };
-            while !p.poll()? {}
-            times.push(t.elapsed().as_secs_f64());
+            times.push(timed(&stream, reversed(&s, &d, blocks, BLOCK), all)?);
         }
         let mut back = vec![0u8; blocks * BLOCK];
         dst.read(0, &mut back)?;
@@ -211,14 +269,11 @@ fn scattered_baseline(
     };
     let each = run(false)?;
     let all = run(true)?;
-    let mut times = Vec::with_capacity(SINGLE_ROUNDS);
-    for _ in 0..SINGLE_ROUNDS {
-        let t = Instant::now();
+    let single = median_time(SINGLE_ROUNDS, || {
         let mut p = stream.copy(d.clone(), 0, s.clone(), 0, BLOCK)?;
         while !p.poll()? {}
-        times.push(t.elapsed().as_secs_f64());
-    }
-    let single = median(&mut times);
+        Ok(())
+    })?;
     println!(
         "  {blocks} scattered {} KiB block copies in one process, one stream, one event, median of {ROUNDS}: a cuMemcpyAsync each {:.1} µs ({:.0} copies/s); copy_all ({}) {:.1} µs ({:.0} copies/s, {:.1}x faster); verified",
         BLOCK >> 10,
@@ -333,28 +388,10 @@ fn crossover(
             if size * count > src.len() {
                 continue;
             }
-            let copies = || -> Vec<DeviceCopy> {
-                (0..count)
-                    .map(|i| DeviceCopy {
-                        dst: d.clone(),
-                        dst_offset: (count - 1 - i) * size,
-                        src: s.clone(),
-                        src_offset: i * size,
-                        len: size,
-                    })
-                    .collect()
-            };
             let mut t = [Vec::new(), Vec::new()];
             for _ in 0..5 {
                 for (k, times) in t.iter_mut().enumerate() {
-                    let t0 = Instant::now();
-                    let mut p = if k == 0 {
-                        stream.copy_each(copies())?
-                    } else {
-                        stream.copy_all(copies())?
-                    };
-                    while !p.poll()? {}
-                    times.push(t0.elapsed().as_secs_f64());
+                    times.push(timed(&stream, reversed(&s, &d, count, size), k == 1)?);
                 }
             }
             let [mut each, mut all] = t;
@@ -393,18 +430,12 @@ fn scattered_write(
             len: BLOCK as u64,
         });
     }
-    let mut times = Vec::with_capacity(ROUNDS);
     let mut st = rixl::runtime::TransferStats::default();
-    for _ in 0..ROUNDS {
-        let t = Instant::now();
+    let secs = median_time(ROUNDS, || {
         st = futures_lite::future::block_on(a.write(peer, &local, &remote))?;
-        times.push(t.elapsed().as_secs_f64());
-    }
-    let secs = median(&mut times);
-    let back = vram(a, ordinal, len)?;
-    futures_lite::future::block_on(a.read(peer, &whole(&back, len), &whole_remote(region, len)))?;
-    let mut host = vec![0u8; len];
-    back.region().read_at(0, &mut host)?;
+        Ok(())
+    })?;
+    let host = read_back(a, peer, region, len, ordinal)?;
     for i in 0..blocks {
         let at = (blocks - 1 - i) * BLOCK;
         if let Some(k) = (0..BLOCK).find(|&k| host[at + k] != pattern(i * BLOCK + k)) {
@@ -430,13 +461,10 @@ fn scattered_write(
         offset: 0,
         len: BLOCK as u64,
     }];
-    let mut times = Vec::with_capacity(SINGLE_ROUNDS);
-    for _ in 0..SINGLE_ROUNDS {
-        let t = Instant::now();
+    let single = median_time(SINGLE_ROUNDS, || {
         futures_lite::future::block_on(a.write(peer, &one, &to))?;
-        times.push(t.elapsed().as_secs_f64());
-    }
-    let single = median(&mut times);
+        Ok(())
+    })?;
     println!(
         "  one {} KiB agent.write to the peer's VRAM, median of {SINGLE_ROUNDS}: {:.1} µs{}",
         BLOCK >> 10,
@@ -475,13 +503,7 @@ fn dropped_future(
     drop(fut);
     drop(local);
     drop(source);
-    let back = vram(a, ordinal, len)?;
-    block_on(a.read(peer, &whole(&back, len), &remote))?;
-    let mut host = vec![0u8; len];
-    back.region().read_at(0, &mut host)?;
-    if let Some(i) = host.iter().position(|&b| b != 0xab) {
-        return Err(format!("dropped future: byte {i} at the peer is {:#x}", host[i]).into());
-    }
+    peer_all(a, peer, region, len, ordinal, 0xab).map_err(|e| format!("dropped future: {e}"))?;
     println!(
         "  agent.write future dropped after one poll ({state}), its source registration dropped at once: the copies finished from live memory, {} MiB verified at the peer",
         len >> 20
@@ -527,13 +549,7 @@ fn timed_out(
     }
     // The detached copies are long done after this (256 MiB take ~0.2 ms).
     std::thread::sleep(std::time::Duration::from_millis(200));
-    let back = vram(a, ordinal, len)?;
-    block_on(a.read(peer, &whole(&back, len), &whole_remote(region, len)))?;
-    let mut host = vec![0u8; len];
-    back.region().read_at(0, &mut host)?;
-    if let Some(i) = host.iter().position(|&x| x != 0x5a) {
-        return Err(format!("after the timeout: byte {i} at the peer is {:#x}", host[i]).into());
-    }
+    peer_all(a, peer, region, len, ordinal, 0x5a).map_err(|e| format!("after the timeout: {e}"))?;
     println!(
         "    the timed-out copies finished from live memory (source registration dropped at the timeout): {} MiB verified at the peer",
         len >> 20
