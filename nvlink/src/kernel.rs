@@ -26,8 +26,12 @@ pub(crate) struct BlockKernel {
     gpu: Arc<Gpu>,
     module: sys::CUmodule,
     function: sys::CUfunction,
-    pool: Arc<Mutex<Vec<PinnedHostMemory>>>,
+    pool: Pool,
 }
+
+/// Free descriptor buffers, each with the device address a kernel reads it at (looked up once,
+/// when the buffer is allocated).
+type Pool = Arc<Mutex<Vec<(PinnedHostMemory, u64)>>>;
 
 // SAFETY: module and function handles may be used from any thread with the context current
 // (`bind`); the pool is behind a mutex.
@@ -82,9 +86,13 @@ impl BlockKernel {
     ) -> Result<Descriptors, IpcError> {
         debug_assert!(!triples.is_empty() && triples.len() <= COPIES_PER_LAUNCH);
         let reused = self.pool.lock().map(|mut p| p.pop()).unwrap_or(None);
-        let mut buf = match reused {
+        let (mut buf, mut ptr) = match reused {
             Some(b) => b,
-            None => PinnedHostMemory::alloc(&self.gpu, COPIES_PER_LAUNCH * 24)?,
+            None => {
+                let b = PinnedHostMemory::alloc(&self.gpu, COPIES_PER_LAUNCH * 24)?;
+                let ptr = b.device_ptr()?;
+                (b, ptr)
+            }
         };
         for (slot, t) in buf.as_mut_slice().chunks_exact_mut(24).zip(triples) {
             for (b, v) in slot.chunks_exact_mut(8).zip(t) {
@@ -92,10 +100,9 @@ impl BlockKernel {
             }
         }
         let descs = Descriptors {
-            buf: Some(buf),
+            buf: Some((buf, ptr)),
             pool: Arc::clone(&self.pool),
         };
-        let mut ptr = descs.device_ptr()?;
         let mut count = triples.len() as u32;
         let mut params = [
             (&mut ptr as *mut u64).cast::<c_void>(),
@@ -138,17 +145,8 @@ impl Drop for BlockKernel {
 /// A descriptor buffer read by a launch; back to its pool when dropped.
 #[derive(Debug)]
 pub(crate) struct Descriptors {
-    buf: Option<PinnedHostMemory>,
-    pool: Arc<Mutex<Vec<PinnedHostMemory>>>,
-}
-
-impl Descriptors {
-    fn device_ptr(&self) -> Result<u64, IpcError> {
-        match &self.buf {
-            Some(b) => Ok(b.device_ptr()?),
-            None => Ok(0),
-        }
-    }
+    buf: Option<(PinnedHostMemory, u64)>,
+    pool: Pool,
 }
 
 impl Drop for Descriptors {

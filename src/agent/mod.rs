@@ -1071,7 +1071,7 @@ impl Agent {
             .collect();
         let copies = ipc_copies(peer, op, l, r, &plan, &mine, &theirs)?;
         let n = copies.len();
-        // Enqueued and awaited on the engine's core, like RDMA work.
+        // Enqueued from this thread, awaited on the engine's core like RDMA work.
         self.inner.engine.device_copies(stream, copies).await?;
         tracing::debug!(agent = %self.inner.name, %peer, copies = n, "CUDA IPC transfer");
         let mut st = TransferStats::default();
@@ -1695,6 +1695,7 @@ mod ipc_tests {
             "outside"
         );
     }
+
     #[derive(Debug)]
     struct Fake(u64);
     impl crate::nvlink::ipc::DeviceRange for Fake {
