@@ -761,7 +761,8 @@ fn gpudirect(gpu: &Arc<Gpu>) -> Result<(), BoxError> {
 }
 
 fn main() -> Result<(), BoxError> {
-    // Warnings (a refused batch copy, say) show on stderr; RUST_LOG widens it.
+    // Warnings (a block-copy kernel the driver cannot load, say) show on stderr; RUST_LOG
+    // widens it.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
