@@ -287,7 +287,7 @@ impl CopyStream {
             .as_ref()
     }
 
-    fn enqueue(&self, copies: Vec<DeviceCopy>, kernel: bool) -> Result<PendingCopy, IpcError> {
+    fn enqueue(&self, copies: Vec<DeviceCopy>, use_kernel: bool) -> Result<PendingCopy, IpcError> {
         for c in &copies {
             check_ranges(&*c.dst, c.dst_offset, &*c.src, c.src_offset, c.len)?;
         }
@@ -305,7 +305,7 @@ impl CopyStream {
             done: false,
         };
         let fits = copies.iter().filter(|c| c.len <= KERNEL_MAX_COPY).count();
-        let kernel = if kernel && fits > 1 {
+        let kernel = if use_kernel && fits > 1 {
             self.kernel()
         } else {
             None

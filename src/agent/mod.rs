@@ -180,11 +180,11 @@ fn ipc_copies(
     let mut copies: Vec<crate::runtime::DeviceCopy> = Vec::new();
     // (local region index, remote region id) of the last copy.
     let mut last: Option<(u32, u64)> = None;
+    let unknown = |region| AgentError::UnknownRegion {
+        peer: peer.to_string(),
+        region,
+    };
     for (d, x) in l.descs().iter().zip(&r.0) {
-        let unknown = |region| AgentError::UnknownRegion {
-            peer: peer.to_string(),
-            region,
-        };
         let (region_id, offset, _, _) = plan.lookup(x.addr).ok_or_else(|| unknown(0))?;
         let (mine_off, their_off) = (d.offset as usize, offset as usize);
         let (dst_offset, src_offset) = match op {
