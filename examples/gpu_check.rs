@@ -201,6 +201,18 @@ fn reversed(
         .collect()
 }
 
+/// The first (block, byte) of `buf` that does not hold what [`reversed`] copies of the
+/// pattern put there: block `i` of `size` bytes, `pattern` from `i * size`, at block
+/// `blocks - 1 - i`.
+fn misplaced(buf: &[u8], blocks: usize, size: usize) -> Option<(usize, usize)> {
+    (0..blocks).find_map(|i| {
+        let at = (blocks - 1 - i) * size;
+        (0..size)
+            .find(|&k| buf[at + k] != pattern(i * size + k))
+            .map(|k| (i, k))
+    })
+}
+
 /// Seconds for `copies` through `copy_all` (`all`) or `copy_each`, until their event is done.
 fn timed(stream: &CopyStream, copies: Vec<DeviceCopy>, all: bool) -> Result<f64, BoxError> {
     let t = Instant::now();
@@ -259,11 +271,8 @@ fn scattered_baseline(
         }
         let mut back = vec![0u8; blocks * BLOCK];
         dst.read(0, &mut back)?;
-        for i in 0..blocks {
-            let at = (blocks - 1 - i) * BLOCK;
-            if (0..BLOCK).any(|k| back[at + k] != pattern(i * BLOCK + k)) {
-                return Err(format!("block copies: block {i} differs").into());
-            }
+        if let Some((i, _)) = misplaced(&back, blocks, BLOCK) {
+            return Err(format!("block copies: block {i} differs").into());
         }
         Ok(median(&mut times))
     };
@@ -436,11 +445,8 @@ fn scattered_write(
         Ok(())
     })?;
     let host = read_back(a, peer, region, len, ordinal)?;
-    for i in 0..blocks {
-        let at = (blocks - 1 - i) * BLOCK;
-        if let Some(k) = (0..BLOCK).find(|&k| host[at + k] != pattern(i * BLOCK + k)) {
-            return Err(format!("scattered write: block {i} byte {k} differs at the peer").into());
-        }
+    if let Some((i, k)) = misplaced(&host, blocks, BLOCK) {
+        return Err(format!("scattered write: block {i} byte {k} differs at the peer").into());
     }
     println!(
         "  agent.write of {blocks} scattered {} KiB blocks to the peer's VRAM (reversed, {} copies), median of {ROUNDS}: {:.1} µs, {:.1} GB/s, {:.0} descriptors/s{}; every block verified at its place",
