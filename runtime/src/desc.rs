@@ -6,6 +6,8 @@ use std::sync::Arc;
 use rixl_gpudirect::GpuRegistration;
 use rixl_verbs::{HostBuffer, OwnedRegistration, RegisteredBuffer, SharedRegistration};
 
+pub use rixl_proto::desc::{LocalDesc, Op, RegionInfo, RemoteDesc, RemoteDescList};
+
 /// Memory owned by an engine. Cheap to clone; the memory stays allocated (and registered) until
 /// the last clone is dropped **and** no in-flight transfer uses it (the in-flight table holds
 /// clones).
@@ -77,7 +79,7 @@ impl Region {
     pub fn unregistered(len: usize) -> Result<Region, rixl_verbs::Error> {
         Ok(Region::host(
             HostBuffer::new(len)?,
-            crate::engine::next_engine_id(),
+            crate::id::next_engine_id(),
         ))
     }
 
@@ -239,17 +241,6 @@ fn gpu_err(e: rixl_gpudirect::Error) -> rixl_verbs::Error {
     rixl_verbs::Error::InvalidArgument(format!("GPU copy: {e}"))
 }
 
-/// One local descriptor: `len` bytes at `offset` of region number `region` of its list.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LocalDesc {
-    /// Index into the list's regions.
-    pub region: u32,
-    /// Offset into the region.
-    pub offset: u64,
-    /// Length in bytes.
-    pub len: u64,
-}
-
 /// A list of local descriptors over one or more registered regions.
 #[derive(Debug, Clone, Default)]
 pub struct LocalDescList {
@@ -311,43 +302,6 @@ impl LocalDescList {
     pub fn total_len(&self) -> u64 {
         self.descs.iter().fold(0u64, |a, d| a.saturating_add(d.len))
     }
-}
-
-/// One remote descriptor: `len` bytes at the peer's `addr`, accessible under `rkey`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RemoteDesc {
-    /// Remote start address.
-    pub addr: u64,
-    /// Length in bytes.
-    pub len: u64,
-    /// Remote key.
-    pub rkey: u32,
-}
-
-/// A list of remote descriptors.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct RemoteDescList(pub Vec<RemoteDesc>);
-
-impl RemoteDescList {
-    /// Sum of the lengths (saturating).
-    pub fn total_len(&self) -> u64 {
-        self.0.iter().fold(0u64, |a, d| a.saturating_add(d.len))
-    }
-}
-
-impl FromIterator<RemoteDesc> for RemoteDescList {
-    fn from_iter<I: IntoIterator<Item = RemoteDesc>>(iter: I) -> Self {
-        RemoteDescList(iter.into_iter().collect())
-    }
-}
-
-/// Direction of a one-sided transfer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Op {
-    /// Local → remote (RDMA WRITE).
-    Write,
-    /// Remote → local (RDMA READ).
-    Read,
 }
 
 /// Splits a transfer's byte stream (the local and remote lists read in order) into slices of

@@ -36,6 +36,7 @@ use glommio::GlommioError;
 
 use crate::desc::{LocalDescList, Op, Region};
 use crate::error::{InvalidDescriptor, TransferError};
+pub use rixl_proto::error::{FileError, FileId};
 
 /// How a file is opened by a registration.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,10 +89,6 @@ impl FileDesc {
     }
 }
 
-/// An open registered file on an engine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct FileId(pub u64);
-
 /// What registering a file returns.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FileInfo {
@@ -105,150 +102,36 @@ pub struct FileInfo {
     pub direct: bool,
 }
 
-/// Errors of the FILE tier.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum FileError {
-    /// The path does not exist ([`FileMode::Open`]) or its directory does not.
-    #[error("{path}: no such file")]
-    NotFound {
-        /// The path.
-        path: PathBuf,
-    },
-    /// [`FileMode::CreateNew`] found an existing file.
-    #[error("{path}: file exists")]
-    Exists {
-        /// The path.
-        path: PathBuf,
-    },
-    /// An existing file is smaller than the registration asks for.
-    #[error("{path}: file holds {size} bytes but {needed} were asked for")]
-    TooSmall {
-        /// The path.
-        path: PathBuf,
-        /// Its size.
-        size: u64,
-        /// The registration's size.
-        needed: u64,
-    },
-    /// The file system is full.
-    #[error("{path}: no space left on the file system ({during})")]
-    NoSpace {
-        /// The path.
-        path: PathBuf,
-        /// `reserving N bytes` or `writing at OFFSET`.
-        during: String,
-    },
-    /// A registration of zero bytes.
-    #[error("{path}: a registration needs a size > 0")]
-    ZeroSize {
-        /// The path.
-        path: PathBuf,
-    },
-    /// A file descriptor reaches outside the registration.
-    #[error("file descriptor {index}: offset {offset} + length {len} exceeds the registered {size} bytes")]
-    OutOfRange {
-        /// Position in the list.
-        index: usize,
-        /// Offset.
-        offset: u64,
-        /// Length.
-        len: u64,
-        /// Registered size.
-        size: u64,
-    },
-    /// A write does not start and end on the O_DIRECT alignment.
-    #[error("file descriptor {index}: write of {len} bytes at {offset} is not aligned to {alignment} bytes (after merging adjacent descriptors)")]
-    Unaligned {
-        /// Position in the list of the I/O's first descriptor.
-        index: usize,
-        /// Offset of the merged I/O.
-        offset: u64,
-        /// Length of the merged I/O.
-        len: u64,
-        /// Required alignment.
-        alignment: u64,
-    },
-    /// The file was unlinked after registration: data written now would be lost on close.
-    #[error("{path}: the file was deleted after it was registered")]
-    Deleted {
-        /// The path.
-        path: PathBuf,
-    },
-    /// The file ended before a read did (it was truncated after registration).
-    #[error("{path}: read of {expected} bytes at {offset} returned {got} (file truncated?)")]
-    ShortRead {
-        /// The path.
-        path: PathBuf,
-        /// Offset.
-        offset: u64,
-        /// Bytes asked for.
-        expected: u64,
-        /// Bytes returned.
-        got: u64,
-    },
-    /// A write returned fewer bytes than asked.
-    #[error("{path}: write of {expected} bytes at {offset} wrote {got}")]
-    ShortWrite {
-        /// The path.
-        path: PathBuf,
-        /// Offset.
-        offset: u64,
-        /// Bytes asked for.
-        expected: u64,
-        /// Bytes written.
-        got: u64,
-    },
-    /// Another I/O error.
-    #[error("{path}: {op} failed: {message}")]
-    Io {
-        /// The path.
-        path: PathBuf,
-        /// The operation.
-        op: &'static str,
-        /// The OS error kind.
-        kind: io::ErrorKind,
-        /// The OS error text.
-        message: String,
-    },
-    /// The file id is unknown (never registered, or closed).
-    #[error("unknown file {0:?}")]
-    UnknownFile(FileId),
-    /// The engine has no FILE tier (it shut down).
-    #[error("the engine has shut down")]
-    EngineGone,
+/// A FILE-tier error from an OS error of `op` on `path`.
+fn io_error(path: &Path, op: &'static str, e: &io::Error) -> FileError {
+    match e.kind() {
+        io::ErrorKind::NotFound => FileError::NotFound { path: path.into() },
+        io::ErrorKind::AlreadyExists => FileError::Exists { path: path.into() },
+        io::ErrorKind::StorageFull => FileError::NoSpace {
+            path: path.into(),
+            during: op.to_string(),
+        },
+        kind => FileError::Io {
+            path: path.into(),
+            op,
+            kind,
+            message: e.to_string(),
+        },
+    }
 }
 
-impl FileError {
-    fn io(path: &Path, op: &'static str, e: &io::Error) -> Self {
-        match e.kind() {
-            io::ErrorKind::NotFound => FileError::NotFound { path: path.into() },
-            io::ErrorKind::AlreadyExists => FileError::Exists { path: path.into() },
-            io::ErrorKind::StorageFull => FileError::NoSpace {
-                path: path.into(),
-                during: op.to_string(),
-            },
-            kind => FileError::Io {
-                path: path.into(),
-                op,
-                kind,
-                message: e.to_string(),
-            },
+/// A FILE-tier error from glommio's error of `op` on `path`.
+fn glommio_error<T>(path: &Path, op: &'static str, e: GlommioError<T>) -> FileError {
+    match e {
+        GlommioError::IoError(e) | GlommioError::EnhancedIoError { source: e, .. } => {
+            io_error(path, op, &e)
         }
-    }
-
-    fn glommio<T>(path: &Path, op: &'static str, e: GlommioError<T>) -> Self {
-        match e {
-            GlommioError::IoError(e) | GlommioError::EnhancedIoError { source: e, .. } => {
-                Self::io(path, op, &e)
-            }
-            other => FileError::Io {
-                path: path.into(),
-                op,
-                kind: io::ErrorKind::Other,
-                message: other.to_string(),
-            },
-        }
+        other => FileError::Io {
+            path: path.into(),
+            op,
+            kind: io::ErrorKind::Other,
+            message: other.to_string(),
+        },
     }
 }
 
@@ -359,7 +242,7 @@ fn local_pieces(
 }
 
 fn validate_local(local: &LocalDescList) -> Result<Vec<u64>, InvalidDescriptor> {
-    crate::plan::check_local(|i| local.regions().get(i).map(Region::len), local.descs())?;
+    rixl_proto::plan::check_local(|i| local.regions().get(i).map(Region::len), local.descs())?;
     Ok(local
         .descs()
         .iter()
@@ -441,7 +324,7 @@ impl Job {
                     .dma
                     .write_at(buf, io.offset)
                     .await
-                    .map_err(|e| FileError::glommio(&f.path, "write", e))
+                    .map_err(|e| glommio_error(&f.path, "write", e))
                     .map_err(|e| match e {
                         FileError::NoSpace { path, .. } => FileError::NoSpace {
                             path,
@@ -467,7 +350,7 @@ impl Job {
                 } else {
                     f.dma.read_at(io.offset, len).await
                 }
-                .map_err(|e| FileError::glommio(&f.path, "read", e))?;
+                .map_err(|e| glommio_error(&f.path, "read", e))?;
                 if res.len() != len {
                     return Err(FileError::ShortRead {
                         path: f.path.clone(),
@@ -630,11 +513,9 @@ impl FileStore {
         let dma = opts
             .dma_open(path)
             .await
-            .map_err(|e| FileError::glommio(path, "open", e))?;
-        let probe = std::fs::File::open(path).map_err(|e| FileError::io(path, "open", &e))?;
-        let meta = probe
-            .metadata()
-            .map_err(|e| FileError::io(path, "stat", &e))?;
+            .map_err(|e| glommio_error(path, "open", e))?;
+        let probe = std::fs::File::open(path).map_err(|e| io_error(path, "open", &e))?;
+        let meta = probe.metadata().map_err(|e| io_error(path, "stat", &e))?;
         if meta.ino() != dma.inode() {
             return Err(FileError::Io {
                 path: path.into(),
@@ -645,7 +526,7 @@ impl FileStore {
         }
         let size = if creates {
             if let Err(e) = dma.pre_allocate(spec.size, false).await {
-                let err = FileError::glommio(path, "reserve", e);
+                let err = glommio_error(path, "reserve", e);
                 // Leave no half-reserved file behind that would hold on to the space.
                 let _ = std::fs::remove_file(path);
                 return Err(match err {
@@ -783,7 +664,7 @@ impl FileStore {
                 .into())
             }
             Ok(_) => {}
-            Err(e) => return Err(FileError::io(&file.path, "stat", &e).into()),
+            Err(e) => return Err(io_error(&file.path, "stat", &e).into()),
         }
         let mut c = self.counters.get();
         c.transfers += 1;
@@ -816,14 +697,12 @@ impl FileStore {
             None
         };
         match futures_lite::future::or(finished, expired).await {
-            Some(Ok(None)) => Ok(crate::TransferStats {
-                bytes: file_total,
-                descriptors: n_descs,
-                work_requests: n_ios,
-                prepare,
-                total: t0.elapsed(),
-                ..crate::TransferStats::default()
-            }),
+            Some(Ok(None)) => {
+                let mut stats = crate::TransferStats::new(file_total, n_descs, n_ios, 0);
+                stats.prepare = prepare;
+                stats.total = t0.elapsed();
+                Ok(stats)
+            }
             Some(Ok(Some(e))) => Err(e.into()),
             Some(Err(_)) => Err(FileError::EngineGone.into()),
             None => {

@@ -11,11 +11,12 @@ use rixl_verbs::{Endpoint, HostBuffer};
 
 use crate::desc::{LocalDescList, Op, Region, RemoteDescList};
 use crate::engine::{
-    next_engine_id, ConnId, Engine, EngineConfig, EngineCounters, Message, PreparedTransfer,
-    TransferOptions, TransferStats,
+    ConnId, Engine, EngineConfig, EngineCounters, Message, PreparedTransfer, TransferOptions,
+    TransferStats,
 };
 use crate::error::{RuntimeError, TransferError};
 use crate::file::{FileCounters, FileDesc, FileError, FileId, FileInfo, FileSpec, FileStore};
+use crate::id::next_engine_id;
 
 type Reply<T> = oneshot::Sender<T>;
 

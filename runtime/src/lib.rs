@@ -1,30 +1,27 @@
-//! `rixl-runtime`: thread-per-core engines that turn RDMA completions into futures.
+//! `rixl-runtime`: thread-per-core glommio engines over verbs, the async glue around the sans-IO
+//! transfer core of `rixl-proto`, plus the FILE tier and GPU copy futures.
 #![forbid(unsafe_code)]
 
-pub mod credits;
 pub mod desc;
+pub mod engine;
 pub mod error;
 pub mod file;
 pub mod flag;
 pub mod gpu;
-pub mod inflight;
+pub mod handle;
+mod id;
 pub mod join;
-pub mod plan;
+pub mod preflight;
 
 pub use desc::{LocalDesc, LocalDescList, Op, Region, RemoteDesc, RemoteDescList};
+pub use engine::{
+    ConnId, Engine, EngineConfig, EngineCounters, Message, PollMode, PreparedTransfer,
+    TransferOptions, TransferStats,
+};
 pub use error::{InvalidDescriptor, RuntimeError, TransferError};
 pub use file::{
     FileConfig, FileCounters, FileDesc, FileError, FileId, FileInfo, FileMode, FileSpec, FileStore,
 };
 pub use flag::{wait_flag, Flag};
-pub mod engine;
-
-pub use engine::{
-    ConnId, Engine, EngineConfig, EngineCounters, Message, PollMode, PreparedTransfer,
-    TransferOptions, TransferStats,
-};
-pub mod handle;
-pub mod preflight;
-
 pub use handle::{available_cpus, DeviceCopy, EngineHandle, EnginePool, DEFAULT_IO_MEMORY};
 pub use join::join_all;

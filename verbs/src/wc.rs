@@ -5,93 +5,7 @@ use std::fmt;
 use crate::error::Error;
 use crate::sys;
 
-macro_rules! wc_status {
-    ($($name:ident = $raw:ident),* $(,)?) => {
-        /// The status of a work completion, by name (`ibv_wc_status`).
-        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-        #[non_exhaustive]
-        pub enum WcStatus {
-            $(
-                #[doc = concat!("`", stringify!($raw), "`")]
-                $name,
-            )*
-            /// A status this crate does not know.
-            Unknown(u32),
-        }
-
-        impl WcStatus {
-            /// Decodes a raw status.
-            pub fn from_raw(raw: u32) -> Self {
-                match raw {
-                    $(sys::ibv_wc_status::$raw => WcStatus::$name,)*
-                    other => WcStatus::Unknown(other),
-                }
-            }
-
-            /// The C name, e.g. `IBV_WC_REM_ACCESS_ERR`.
-            pub fn name(self) -> &'static str {
-                match self {
-                    $(WcStatus::$name => stringify!($raw),)*
-                    WcStatus::Unknown(_) => "IBV_WC_UNKNOWN",
-                }
-            }
-        }
-    };
-}
-
-wc_status! {
-    Success = IBV_WC_SUCCESS,
-    LocalLengthError = IBV_WC_LOC_LEN_ERR,
-    LocalQpOperationError = IBV_WC_LOC_QP_OP_ERR,
-    LocalEecOperationError = IBV_WC_LOC_EEC_OP_ERR,
-    LocalProtectionError = IBV_WC_LOC_PROT_ERR,
-    WorkRequestFlushError = IBV_WC_WR_FLUSH_ERR,
-    MemoryWindowBindError = IBV_WC_MW_BIND_ERR,
-    BadResponseError = IBV_WC_BAD_RESP_ERR,
-    LocalAccessError = IBV_WC_LOC_ACCESS_ERR,
-    RemoteInvalidRequestError = IBV_WC_REM_INV_REQ_ERR,
-    RemoteAccessError = IBV_WC_REM_ACCESS_ERR,
-    RemoteOperationError = IBV_WC_REM_OP_ERR,
-    RetryExceededError = IBV_WC_RETRY_EXC_ERR,
-    RnrRetryExceededError = IBV_WC_RNR_RETRY_EXC_ERR,
-    LocalRddViolationError = IBV_WC_LOC_RDD_VIOL_ERR,
-    RemoteInvalidRdRequest = IBV_WC_REM_INV_RD_REQ_ERR,
-    RemoteAbortError = IBV_WC_REM_ABORT_ERR,
-    InvalidEecnError = IBV_WC_INV_EECN_ERR,
-    InvalidEecStateError = IBV_WC_INV_EEC_STATE_ERR,
-    FatalError = IBV_WC_FATAL_ERR,
-    ResponseTimeoutError = IBV_WC_RESP_TIMEOUT_ERR,
-    GeneralError = IBV_WC_GENERAL_ERR,
-    TagMatchingError = IBV_WC_TM_ERR,
-    TagMatchingRendezvousIncomplete = IBV_WC_TM_RNDV_INCOMPLETE,
-}
-
-impl fmt::Display for WcStatus {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            WcStatus::Unknown(raw) => write!(f, "IBV_WC_UNKNOWN({raw})"),
-            s => f.write_str(s.name()),
-        }
-    }
-}
-
-/// The operation a completion reports.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum WcOpcode {
-    /// SEND (also SEND_WITH_IMM) on the send queue.
-    Send,
-    /// RDMA WRITE (also WRITE_WITH_IMM) on the send queue.
-    RdmaWrite,
-    /// RDMA READ.
-    RdmaRead,
-    /// RECV of a SEND.
-    Recv,
-    /// RECV consumed by an RDMA WRITE_WITH_IMM.
-    RecvRdmaWithImm,
-    /// Something else (atomics, ...), raw value.
-    Other(u32),
-}
+pub use rixl_proto::wire::{Completion, WcOpcode, WcStatus};
 
 /// One work completion (`ibv_wc`), layout-compatible so a slice of them can be polled into.
 #[repr(transparent)]
@@ -177,5 +91,49 @@ impl WorkCompletion {
     /// Provider-specific error detail.
     pub fn vendor_err(&self) -> u32 {
         self.0.vendor_err
+    }
+
+    /// The fields the transfer core routes on.
+    pub fn completion(&self) -> Completion {
+        Completion {
+            wr_id: self.wr_id(),
+            status: self.status(),
+            opcode: self.opcode(),
+            byte_len: self.byte_len(),
+            imm: self.imm_data(),
+            qp_num: self.qp_num(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cores_status_values_are_the_verbs_abi() {
+        use sys::ibv_wc_status as s;
+        let pairs = [
+            (s::IBV_WC_SUCCESS, WcStatus::Success),
+            (s::IBV_WC_LOC_LEN_ERR, WcStatus::LocalLengthError),
+            (s::IBV_WC_LOC_PROT_ERR, WcStatus::LocalProtectionError),
+            (s::IBV_WC_WR_FLUSH_ERR, WcStatus::WorkRequestFlushError),
+            (s::IBV_WC_REM_ACCESS_ERR, WcStatus::RemoteAccessError),
+            (s::IBV_WC_RETRY_EXC_ERR, WcStatus::RetryExceededError),
+            (s::IBV_WC_RNR_RETRY_EXC_ERR, WcStatus::RnrRetryExceededError),
+            (
+                s::IBV_WC_REM_INV_RD_REQ_ERR,
+                WcStatus::RemoteInvalidRdRequest,
+            ),
+            (s::IBV_WC_GENERAL_ERR, WcStatus::GeneralError),
+            (
+                s::IBV_WC_TM_RNDV_INCOMPLETE,
+                WcStatus::TagMatchingRendezvousIncomplete,
+            ),
+        ];
+        for (raw, status) in pairs {
+            assert_eq!(WcStatus::from_raw(raw), status, "{raw}");
+            assert_eq!(status.to_raw(), raw);
+        }
     }
 }

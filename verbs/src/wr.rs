@@ -5,89 +5,22 @@ use crate::mr::OwnedRegistration;
 use crate::qp::QueuePairCapabilities;
 use crate::sys;
 
-/// One local scatter/gather entry: `length` bytes at `addr`, registered under `lkey`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Sge {
-    /// Start address.
-    pub addr: u64,
-    /// Length in bytes.
-    pub length: u32,
-    /// Local key of the memory region covering it.
-    pub lkey: u32,
-}
+pub use rixl_proto::wire::{SendFlags, SendOp, Sge};
 
-/// The operation of a send-queue work request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum SendOp {
-    /// RDMA WRITE to `remote_addr` under `rkey`.
-    Write {
-        /// Remote start address.
-        remote_addr: u64,
-        /// Remote key.
-        rkey: u32,
-    },
-    /// RDMA WRITE that also consumes a receive at the peer and delivers `imm`.
-    WriteWithImm {
-        /// Remote start address.
-        remote_addr: u64,
-        /// Remote key.
-        rkey: u32,
-        /// Immediate data (host order).
-        imm: u32,
-    },
-    /// RDMA READ from `remote_addr` under `rkey` into the local entries.
-    Read {
-        /// Remote start address.
-        remote_addr: u64,
-        /// Remote key.
-        rkey: u32,
-    },
-    /// SEND, consumed by a receive at the peer.
-    Send,
-    /// SEND with immediate data.
-    SendWithImm {
-        /// Immediate data (host order).
-        imm: u32,
-    },
-}
-
-/// Flags of a send work request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct SendFlags {
-    /// Generate a completion on success (errors always complete).
-    pub signaled: bool,
-    /// Copy the payload into the WQE (small messages; limited by `max_inline_data`).
-    pub inline: bool,
-    /// Wait for prior RDMA READs to complete first.
-    pub fence: bool,
-    /// Request a solicited event at the receiver.
-    pub solicited: bool,
-}
-
-impl SendFlags {
-    /// Just `signaled`.
-    pub const SIGNALED: Self = SendFlags {
-        signaled: true,
-        inline: false,
-        fence: false,
-        solicited: false,
-    };
-
-    fn bits(self) -> u32 {
-        use sys::ibv_send_flags as f;
-        (if self.signaled {
-            f::IBV_SEND_SIGNALED
+/// The `ibv_send_flags` bits of `flags`.
+fn send_flag_bits(flags: SendFlags) -> u32 {
+    use sys::ibv_send_flags as f;
+    (if flags.signaled {
+        f::IBV_SEND_SIGNALED
+    } else {
+        0
+    }) | (if flags.inline { f::IBV_SEND_INLINE } else { 0 })
+        | (if flags.fence { f::IBV_SEND_FENCE } else { 0 })
+        | (if flags.solicited {
+            f::IBV_SEND_SOLICITED
         } else {
             0
-        }) | (if self.inline { f::IBV_SEND_INLINE } else { 0 })
-            | (if self.fence { f::IBV_SEND_FENCE } else { 0 })
-            | (if self.solicited {
-                f::IBV_SEND_SOLICITED
-            } else {
-                0
-            })
-    }
+        })
 }
 
 /// A reusable list of send work requests. Push requests, post with
@@ -134,7 +67,7 @@ impl SendBatch {
         }
         let mut wr = sys::ibv_send_wr {
             wr_id,
-            send_flags: flags.bits(),
+            send_flags: send_flag_bits(flags),
             ..Default::default()
         };
         match op {

@@ -5,21 +5,9 @@
 //! Adjacent descriptors are merged: contiguous remote descriptors with the same rkey continue the
 //! same request, and contiguous local pieces with the same lkey extend the same entry.
 
-use rixl_verbs::Sge;
-
-use crate::desc::{LocalDesc, RemoteDesc};
+use crate::desc::{LocalDesc, RegionInfo, RemoteDesc};
 use crate::error::InvalidDescriptor;
-
-/// Where a region lives, as the planner needs it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RegionInfo {
-    /// Start address.
-    pub addr: u64,
-    /// Length.
-    pub len: u64,
-    /// Local key.
-    pub lkey: u32,
-}
+use crate::wire::Sge;
 
 /// Limits that bound one work request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -34,7 +34,7 @@ pub fn decode_wr_id(wr_id: u64) -> (u32, u32, bool) {
 }
 
 /// A handle to one slot: key + generation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SlotId {
     /// Slab key.
     pub key: u32,
@@ -101,6 +101,18 @@ impl<K> InflightTable<K> {
     pub fn new() -> Self {
         Self::default()
     }
+
+    /// An empty table whose next slot gets `generation` (masked to 30 bits; 0 becomes 1): for
+    /// tests of the generation wrap.
+    pub fn starting_at_generation(generation: u32) -> Self {
+        InflightTable {
+            next_generation: (generation & GEN_MASK).max(1),
+            ..Self::default()
+        }
+    }
+
+    /// The largest generation (they wrap from it to 1; 0 is never used).
+    pub const MAX_GENERATION: u32 = GEN_MASK;
 
     /// Number of live slots (including detached ones still waiting for the NIC).
     pub fn len(&self) -> usize {
@@ -378,7 +390,7 @@ impl<K> InflightTable<K> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rixl_verbs::WcStatus;
+    use crate::wire::WcStatus;
     use std::rc::Rc;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;

@@ -1,0 +1,123 @@
+//! One connection's state: its queue, lifecycle, send credits, coalescing queue and inbox.
+
+use std::collections::VecDeque;
+use std::task::Waker;
+
+use crate::credits::SendCredits;
+use crate::error::TransferError;
+use crate::inflight::SlotId;
+use crate::stats::Message;
+use crate::wire::{SendOp, Sge};
+
+/// Where a connection is in its life.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ConnState {
+    /// Its queue pair exists (receives posted); the peer's endpoint is not applied yet.
+    Prepared,
+    /// Connected: transfers may be posted.
+    Ready,
+    /// Failed (error completion, timeout, refused post or abort): its queue pair is in the error
+    /// state and flushes what is outstanding; nothing more is posted.
+    Failed(String),
+}
+
+/// What a new connection's queue pair was granted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConnParams {
+    /// Send queue depth.
+    pub send_queue_depth: u32,
+    /// Scatter/gather entries per send request.
+    pub max_send_sge: u32,
+    /// Inline bytes per send request (0: none).
+    pub max_inline: u32,
+}
+
+/// One queued work request of a coalesced transfer.
+#[derive(Debug, Clone)]
+pub(crate) struct QueuedWr {
+    pub slot: SlotId,
+    pub op: SendOp,
+    pub sges: Vec<Sge>,
+    /// The transfer's last request (its requests are queued and posted together).
+    pub last: bool,
+    /// Number of requests of its transfer (on the first one).
+    pub count: usize,
+}
+
+pub(crate) struct Connection<Q> {
+    /// Unique per core, unlike the slab id (reused after a close) and the QP number (which a
+    /// device may reuse): what a prepared transfer is bound to.
+    pub epoch: u64,
+    pub queue: Q,
+    pub state: ConnState,
+    pub credits: SendCredits,
+    pub credit_waiters: Vec<Waker>,
+    pub inbox: VecDeque<Message>,
+    pub inbox_waiter: Option<Waker>,
+    pub max_msg: u64,
+    pub max_send_sge: u32,
+    /// Inline bytes per send request the queue pair was granted.
+    pub max_inline: u64,
+    /// Work requests of small transfers waiting for this turn's coalesced post.
+    pub pending: VecDeque<QueuedWr>,
+    /// A flush of `pending` is scheduled.
+    pub flush_scheduled: bool,
+    /// The progress turn in which a small transfer was last posted at once.
+    pub immediate_turn: u64,
+}
+
+impl<Q> Connection<Q> {
+    pub fn new(epoch: u64, queue: Q, params: ConnParams, signal_interval: u32) -> Self {
+        Connection {
+            epoch,
+            queue,
+            state: ConnState::Prepared,
+            credits: SendCredits::new(params.send_queue_depth, signal_interval),
+            credit_waiters: Vec::new(),
+            inbox: VecDeque::new(),
+            inbox_waiter: None,
+            max_msg: u64::from(u32::MAX),
+            max_send_sge: params.max_send_sge,
+            max_inline: u64::from(params.max_inline),
+            pending: VecDeque::new(),
+            flush_scheduled: false,
+            immediate_turn: 0,
+        }
+    }
+
+    /// Whether a request of `op` moving `bytes` is posted inline (READs never are).
+    pub fn inline(&self, op: &SendOp, bytes: u64) -> bool {
+        op.sends_local_data() && bytes <= self.max_inline
+    }
+
+    /// `Ok` when transfers may be posted.
+    pub fn check_ready(&self, conn: u32) -> Result<(), TransferError> {
+        match &self.state {
+            ConnState::Ready => Ok(()),
+            ConnState::Failed(why) => Err(TransferError::Connection(conn, why.clone())),
+            ConnState::Prepared => Err(TransferError::Connection(conn, "not connected".into())),
+        }
+    }
+
+    /// `Ok` unless it failed.
+    pub fn check_live(&self, conn: u32) -> Result<(), TransferError> {
+        match &self.state {
+            ConnState::Failed(why) => Err(TransferError::Connection(conn, why.clone())),
+            _ => Ok(()),
+        }
+    }
+
+    /// Wakers of everything waiting on it (credits and the inbox).
+    pub fn take_waiters(&mut self) -> Vec<Waker> {
+        self.credit_waiters
+            .drain(..)
+            .chain(self.inbox_waiter.take())
+            .collect()
+    }
+}
+
+/// The error of an unknown connection.
+pub(crate) fn unknown(conn: u32) -> TransferError {
+    TransferError::Connection(conn, "unknown".into())
+}

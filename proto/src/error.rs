@@ -1,0 +1,265 @@
+//! Errors of transfers: rejected descriptors, failed completions, connection and FILE-tier
+//! failures. Plain data (`Clone`, `PartialEq`): a connection's failure is handed to every
+//! transfer it ends.
+
+use std::io;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::wire::WcStatus;
+
+/// Why a descriptor list was rejected before anything was posted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum InvalidDescriptor {
+    /// A list is empty.
+    #[error("the {side} descriptor list is empty")]
+    Empty {
+        /// `local` or `remote`.
+        side: &'static str,
+    },
+    /// A descriptor has length zero.
+    #[error("{side} descriptor {index} has length zero")]
+    ZeroLength {
+        /// `local` or `remote`.
+        side: &'static str,
+        /// Position in its list.
+        index: usize,
+    },
+    /// A local descriptor reaches outside its registered region.
+    #[error("local descriptor {index}: offset {offset} + length {len} exceeds the registered region of {region_len} bytes")]
+    OutOfRange {
+        /// Position in the list.
+        index: usize,
+        /// Offset into the region.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// Length of the region.
+        region_len: u64,
+    },
+    /// An address + length overflows 64 bits.
+    #[error("{side} descriptor {index}: address + length overflows")]
+    Overflow {
+        /// `local` or `remote`.
+        side: &'static str,
+        /// Position in its list.
+        index: usize,
+    },
+    /// The lists describe different total lengths.
+    #[error("local descriptors total {local} bytes but remote descriptors total {remote}")]
+    LengthMismatch {
+        /// Local total.
+        local: u64,
+        /// Remote total.
+        remote: u64,
+    },
+    /// A local region belongs to another engine (another protection domain).
+    #[error("local descriptor {index} uses memory registered with another engine")]
+    ForeignRegion {
+        /// Position in the list.
+        index: usize,
+    },
+    /// An offset is not a multiple of what the access needs (an 8-byte flag: 8).
+    #[error("offset {offset} is not a multiple of {align}")]
+    Misaligned {
+        /// The offset.
+        offset: u64,
+        /// The alignment needed.
+        align: u64,
+    },
+    /// The operation needs host memory the CPU can read, and the region is GPU memory.
+    #[error("the region is GPU memory; this needs host memory")]
+    NotHostMemory,
+    /// A local region is host memory not registered with a NIC (a core without one).
+    #[error("local descriptor {index} uses host memory that is not registered with a NIC")]
+    NotRegistered {
+        /// Position in the list.
+        index: usize,
+    },
+}
+
+/// Why a transfer failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TransferError {
+    /// The descriptors were rejected before posting; nothing was sent.
+    #[error("invalid descriptor: {0}")]
+    InvalidDescriptor(#[from] InvalidDescriptor),
+    /// The peer refused access (bad rkey, address outside its region, missing rights).
+    #[error("remote access error ({status})")]
+    RemoteAccess {
+        /// The completion status.
+        status: WcStatus,
+    },
+    /// The peer stopped answering (transport or RNR retries exceeded): it is dead or unreachable.
+    #[error("remote disconnected ({status})")]
+    RemoteDisconnect {
+        /// The completion status.
+        status: WcStatus,
+    },
+    /// The work was flushed because the connection failed (by another transfer's error, a
+    /// timeout, or an explicit abort).
+    #[error("flushed: the connection failed before this transfer completed")]
+    Flushed,
+    /// No completion within the transfer's deadline; the connection is failed so the NIC stops
+    /// touching the memory.
+    #[error("timed out after {0:?}")]
+    Timeout(Duration),
+    /// Another completion error.
+    #[error("completion error ({status})")]
+    Completion {
+        /// The completion status.
+        status: WcStatus,
+    },
+    /// The connection is unknown or already failed.
+    #[error("connection {0} is not usable: {1}")]
+    Connection(u32, String),
+    /// A verb failed while posting.
+    #[error("posting failed: {0}")]
+    Post(String),
+    /// The engine that owns the connection has shut down.
+    #[error("the engine has shut down")]
+    EngineGone,
+    /// A FILE-tier transfer failed.
+    #[error(transparent)]
+    File(#[from] FileError),
+    /// This core has no RDMA device (it serves host memory and files only).
+    #[error("no RDMA device on this engine's core")]
+    NoNic,
+}
+
+impl TransferError {
+    /// Maps an error completion status to the transfer error users see.
+    pub fn from_status(status: WcStatus) -> Self {
+        match status {
+            WcStatus::RemoteAccessError
+            | WcStatus::RemoteInvalidRequestError
+            | WcStatus::RemoteInvalidRdRequest
+            | WcStatus::RemoteOperationError => TransferError::RemoteAccess { status },
+            WcStatus::RetryExceededError | WcStatus::RnrRetryExceededError => {
+                TransferError::RemoteDisconnect { status }
+            }
+            WcStatus::WorkRequestFlushError => TransferError::Flushed,
+            status => TransferError::Completion { status },
+        }
+    }
+}
+
+/// An open registered file on an engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FileId(pub u64);
+
+/// Errors of the FILE tier.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum FileError {
+    /// The path does not exist ([`FileMode::Open`]) or its directory does not.
+    #[error("{path}: no such file")]
+    NotFound {
+        /// The path.
+        path: PathBuf,
+    },
+    /// [`FileMode::CreateNew`] found an existing file.
+    #[error("{path}: file exists")]
+    Exists {
+        /// The path.
+        path: PathBuf,
+    },
+    /// An existing file is smaller than the registration asks for.
+    #[error("{path}: file holds {size} bytes but {needed} were asked for")]
+    TooSmall {
+        /// The path.
+        path: PathBuf,
+        /// Its size.
+        size: u64,
+        /// The registration's size.
+        needed: u64,
+    },
+    /// The file system is full.
+    #[error("{path}: no space left on the file system ({during})")]
+    NoSpace {
+        /// The path.
+        path: PathBuf,
+        /// `reserving N bytes` or `writing at OFFSET`.
+        during: String,
+    },
+    /// A registration of zero bytes.
+    #[error("{path}: a registration needs a size > 0")]
+    ZeroSize {
+        /// The path.
+        path: PathBuf,
+    },
+    /// A file descriptor reaches outside the registration.
+    #[error("file descriptor {index}: offset {offset} + length {len} exceeds the registered {size} bytes")]
+    OutOfRange {
+        /// Position in the list.
+        index: usize,
+        /// Offset.
+        offset: u64,
+        /// Length.
+        len: u64,
+        /// Registered size.
+        size: u64,
+    },
+    /// A write does not start and end on the O_DIRECT alignment.
+    #[error("file descriptor {index}: write of {len} bytes at {offset} is not aligned to {alignment} bytes (after merging adjacent descriptors)")]
+    Unaligned {
+        /// Position in the list of the I/O's first descriptor.
+        index: usize,
+        /// Offset of the merged I/O.
+        offset: u64,
+        /// Length of the merged I/O.
+        len: u64,
+        /// Required alignment.
+        alignment: u64,
+    },
+    /// The file was unlinked after registration: data written now would be lost on close.
+    #[error("{path}: the file was deleted after it was registered")]
+    Deleted {
+        /// The path.
+        path: PathBuf,
+    },
+    /// The file ended before a read did (it was truncated after registration).
+    #[error("{path}: read of {expected} bytes at {offset} returned {got} (file truncated?)")]
+    ShortRead {
+        /// The path.
+        path: PathBuf,
+        /// Offset.
+        offset: u64,
+        /// Bytes asked for.
+        expected: u64,
+        /// Bytes returned.
+        got: u64,
+    },
+    /// A write returned fewer bytes than asked.
+    #[error("{path}: write of {expected} bytes at {offset} wrote {got}")]
+    ShortWrite {
+        /// The path.
+        path: PathBuf,
+        /// Offset.
+        offset: u64,
+        /// Bytes asked for.
+        expected: u64,
+        /// Bytes written.
+        got: u64,
+    },
+    /// Another I/O error.
+    #[error("{path}: {op} failed: {message}")]
+    Io {
+        /// The path.
+        path: PathBuf,
+        /// The operation.
+        op: &'static str,
+        /// The OS error kind.
+        kind: io::ErrorKind,
+        /// The OS error text.
+        message: String,
+    },
+    /// The file id is unknown (never registered, or closed).
+    #[error("unknown file {0:?}")]
+    UnknownFile(FileId),
+    /// The engine has no FILE tier (it shut down).
+    #[error("the engine has shut down")]
+    EngineGone,
+}

@@ -1,0 +1,38 @@
+//! `rixl-proto`: rixl's transfer core without I/O.
+//!
+//! It holds the state machine of one engine's transfers: descriptor validation and planning
+//! ([`plan`]), the in-flight table that owns what the NIC may still touch ([`inflight`]), send
+//! credits ([`credits`]), deadlines ([`deadline`]), coalescing decisions and connection states
+//! ([`Core`], [`Posting`]). It drives queue pairs through the small traits of [`queue`] (build and
+//! post a batch, poll completions, read a clock) and never waits: `rixl-runtime` is the async glue
+//! over glommio and verbs, and [`harness`] is a deterministic fake NIC with a virtual clock for
+//! tests and benchmarks. Neither glommio nor ibverbs nor CUDA is in its dependency tree.
+#![forbid(unsafe_code)]
+
+pub mod conn;
+pub mod core;
+pub mod credits;
+pub mod deadline;
+pub mod desc;
+pub mod error;
+pub mod harness;
+pub mod inflight;
+pub mod plan;
+pub mod posting;
+pub mod queue;
+pub mod stats;
+pub mod wire;
+
+pub use crate::conn::{ConnParams, ConnState};
+pub use crate::core::{
+    recv_wr_id, Activity, Core, CoreConfig, COALESCE_MAX_WRS, COALESCE_SIGNAL_INTERVAL, RECV_BIT,
+};
+pub use crate::deadline::{Deadline, Deadlines};
+pub use crate::desc::{LocalDesc, Op, RegionInfo, RemoteDesc, RemoteDescList};
+pub use crate::error::{FileError, FileId, InvalidDescriptor, TransferError};
+pub use crate::inflight::SlotId;
+pub use crate::plan::{Limits, Plan, PlannedWr};
+pub use crate::posting::Posting;
+pub use crate::queue::{Clock, CompletionSource, SendQueue, SystemClock};
+pub use crate::stats::{ConnId, EngineCounters, Message, TransferOptions, TransferStats};
+pub use crate::wire::{Completion, SendFlags, SendOp, Sge, WcOpcode, WcStatus};

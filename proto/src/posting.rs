@@ -1,0 +1,483 @@
+//! Posting a planned transfer: a slot in the in-flight table, chunks of at most `post_batch`
+//! requests as send credits allow (one doorbell each), or a place in the connection's coalescing
+//! queue; then the wait for its result, with its deadline armed only while it waits.
+
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use smallvec::SmallVec;
+
+use crate::conn::{unknown, Connection, QueuedWr};
+use crate::core::{Core, COALESCE_MAX_WRS, COALESCE_SIGNAL_INTERVAL};
+use crate::desc::Op;
+use crate::error::TransferError;
+use crate::inflight::{InflightTable, SlotId};
+use crate::queue::SendQueue;
+use crate::stats::{ConnId, TransferOptions};
+use crate::wire::{SendFlags, SendOp, Sge};
+
+/// One transfer between [`Core::begin`] and its result. The caller owns it (in its future) and
+/// hands it back to the core on every poll; if the caller goes away before the result, it calls
+/// [`Core::detach`] with [`Posting::slot`] (unless [`Posting::finished`]).
+#[derive(Debug)]
+pub struct Posting {
+    conn: ConnId,
+    op: Op,
+    slot: SlotId,
+    notify_imm: Option<u32>,
+    /// The timeout still to arm as a deadline, on the first wait: a transfer that completes
+    /// without waiting never touches the deadline heap.
+    timeout: Option<Duration>,
+    next: usize,
+    doorbells: usize,
+    started: bool,
+    posted: bool,
+    queued: bool,
+    finished: bool,
+}
+
+impl Posting {
+    /// Its in-flight slot.
+    pub fn slot(&self) -> SlotId {
+        self.slot
+    }
+
+    /// Its connection.
+    pub fn conn(&self) -> ConnId {
+        self.conn
+    }
+
+    /// Doorbells rung for it so far (0 when it was coalesced).
+    pub fn doorbells(&self) -> usize {
+        self.doorbells
+    }
+
+    /// Whether posting has ended (all requests posted or queued, or posting stopped by an error).
+    pub fn posted(&self) -> bool {
+        self.posted
+    }
+
+    /// Whether it waits in its connection's coalescing queue (posted by [`Core::flush`]).
+    pub fn queued(&self) -> bool {
+        self.queued
+    }
+
+    /// Whether its result has been taken (its slot is gone).
+    pub fn finished(&self) -> bool {
+        self.finished
+    }
+
+    /// Whether its deadline is armed (it has waited).
+    pub fn deadline_armed(&self) -> bool {
+        self.timeout.is_none()
+    }
+}
+
+impl<Q: SendQueue> Core<Q> {
+    /// Opens an in-flight slot for a transfer on `conn` that keeps `keep` alive until the NIC is
+    /// done with it.
+    pub fn begin(
+        &mut self,
+        conn: ConnId,
+        op: Op,
+        keep: Q::Keep,
+        opts: &TransferOptions,
+    ) -> Posting {
+        let slot = self.inflight.insert(conn.0, keep);
+        Posting {
+            conn,
+            op,
+            slot,
+            notify_imm: opts.notify_imm,
+            timeout: Some(opts.timeout.unwrap_or(self.cfg.transfer_timeout)),
+            next: 0,
+            doorbells: 0,
+            started: false,
+            posted: false,
+            queued: false,
+            finished: false,
+        }
+    }
+
+    /// Posts what send credits allow of `plan` for `p`. Ready once posting ended (every request
+    /// posted, or queued for a coalesced post, or stopped by an error, which is then the
+    /// transfer's result); Pending while it waits for credits (its deadline armed). A refused
+    /// post fails the connection.
+    pub fn post(
+        &mut self,
+        p: &mut Posting,
+        plan: &crate::plan::Plan,
+        cx: &mut Context<'_>,
+    ) -> Poll<()> {
+        if p.posted {
+            return Poll::Ready(());
+        }
+        if !p.started {
+            p.started = true;
+            if self.cfg.coalesce
+                && plan.wrs.len() <= COALESCE_MAX_WRS
+                && p.notify_imm.is_none()
+                && !self.post_at_once(p.conn)
+            {
+                // Posted by the connection's flush, which ends posting for the slot.
+                p.posted = true;
+                match self.enqueue(p, plan) {
+                    Ok(()) => p.queued = true,
+                    Err(e) => {
+                        self.inflight.fail(p.slot, e);
+                        self.inflight.end_posting(p.slot);
+                    }
+                }
+                return Poll::Ready(());
+            }
+        }
+        let batch = self.cfg.post_batch.max(1) as usize;
+        let mut err = None;
+        while p.next < plan.wrs.len() {
+            let free = match self.conns.get_mut(p.conn.0 as usize) {
+                None => Err(unknown(p.conn.0)),
+                Some(c) => c.check_ready(p.conn.0).map(|()| c.credits.available()),
+            };
+            let free = match free {
+                Ok(0) => {
+                    self.conns[p.conn.0 as usize]
+                        .credit_waiters
+                        .push(cx.waker().clone());
+                    self.arm(p);
+                    return Poll::Pending;
+                }
+                Ok(f) => f as usize,
+                Err(e) => {
+                    err = Some(e);
+                    break;
+                }
+            };
+            let end = (p.next + free.min(batch)).min(plan.wrs.len());
+            if let Err(e) = self.post_chunk(p, plan, end) {
+                // The refused transfer keeps the post's error; the others on the connection
+                // end flushed.
+                self.inflight.fail(p.slot, e);
+                self.fail_connection(p.conn, "post failed", &TransferError::Flushed);
+                break;
+            }
+        }
+        if let Some(e) = err {
+            self.inflight.fail(p.slot, e);
+        }
+        self.inflight.end_posting(p.slot);
+        p.posted = true;
+        Poll::Ready(())
+    }
+
+    /// The transfer's result if it has one now, without registering a waker (so a future that
+    /// reaps its own completion does not wake itself).
+    pub fn try_finish(&mut self, p: &mut Posting) -> Poll<Result<(), TransferError>> {
+        let r = self.inflight.try_take(p.slot);
+        p.finished |= r.is_ready();
+        r
+    }
+
+    /// The transfer's result, or Pending with the waker registered and the deadline armed.
+    pub fn poll_finish(
+        &mut self,
+        p: &mut Posting,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<(), TransferError>> {
+        let r = self.inflight.poll(p.slot, cx);
+        if r.is_pending() {
+            self.arm(p);
+        } else {
+            p.finished = true;
+        }
+        r
+    }
+
+    fn arm(&mut self, p: &mut Posting) {
+        if let Some(timeout) = p.timeout.take() {
+            self.arm_deadline(p.slot, p.conn.0, timeout);
+        }
+    }
+
+    /// Posts requests `p.next..end` of `plan` with one doorbell.
+    fn post_chunk(
+        &mut self,
+        p: &mut Posting,
+        plan: &crate::plan::Plan,
+        end: usize,
+    ) -> Result<(), TransferError> {
+        let Core {
+            conns,
+            inflight,
+            counters,
+            ..
+        } = self;
+        let c = conns
+            .get_mut(p.conn.0 as usize)
+            .ok_or_else(|| unknown(p.conn.0))?;
+        let n = end - p.next;
+        let signals = c.credits.plan(n as u32);
+        let last = plan.wrs.len();
+        for (i, signal) in (p.next..end).zip(signals.flags()) {
+            let wr = &plan.wrs[i];
+            let op = match (p.op, p.notify_imm) {
+                (Op::Write, Some(imm)) if i + 1 == last => SendOp::WriteWithImm {
+                    remote_addr: wr.remote_addr,
+                    rkey: wr.rkey,
+                    imm,
+                },
+                (op, _) => one_sided(op, wr.remote_addr, wr.rkey),
+            };
+            let flags = SendFlags {
+                signaled: signal,
+                inline: c.inline(&op, wr.bytes),
+                ..SendFlags::default()
+            };
+            c.queue
+                .push(p.slot.wr_id(signal), op, plan.sges_of(wr), flags);
+        }
+        let Some(keep) = inflight.keepalive(p.slot) else {
+            // The slot is gone (cannot happen while its posting is open): post nothing.
+            let _ = c.queue.post(&[]);
+            return Err(TransferError::EngineGone);
+        };
+        match c.queue.post(&[keep]) {
+            Ok(()) => {
+                let signaled = signals.signaled();
+                c.credits.commit(signals);
+                inflight.add_signaled(p.slot, signaled);
+                counters.work_requests += n as u64;
+                counters.doorbells += 1;
+                p.next = end;
+                p.doorbells += 1;
+                Ok(())
+            }
+            // Nothing of a refused batch counts.
+            Err(e) => Err(TransferError::Post(e.to_string())),
+        }
+    }
+
+    /// Coalescing: whether a small transfer on `conn` is posted at once, because it is the
+    /// first of this progress turn and nothing is queued before it.
+    fn post_at_once(&mut self, conn: ConnId) -> bool {
+        let turn = self.turn;
+        match self.conns.get_mut(conn.0 as usize) {
+            Some(c) if c.pending.is_empty() && !c.flush_scheduled && c.immediate_turn != turn => {
+                c.immediate_turn = turn;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Queues a small transfer's requests for the connection's coalesced post.
+    fn enqueue(&mut self, p: &Posting, plan: &crate::plan::Plan) -> Result<(), TransferError> {
+        let c = self
+            .conns
+            .get_mut(p.conn.0 as usize)
+            .ok_or_else(|| unknown(p.conn.0))?;
+        c.check_ready(p.conn.0)?;
+        let n = plan.wrs.len();
+        for (i, wr) in plan.wrs.iter().enumerate() {
+            c.pending.push_back(QueuedWr {
+                slot: p.slot,
+                op: one_sided(p.op, wr.remote_addr, wr.rkey),
+                sges: plan.sges_of(wr).to_vec(),
+                last: i + 1 == n,
+                count: if i == 0 { n } else { 0 },
+            });
+        }
+        self.counters.queued += 1;
+        Ok(())
+    }
+
+    /// Whether `conn` has queued transfers and no flush scheduled yet; marks one scheduled (the
+    /// caller then runs [`Core::flush`] for it, after the tasks runnable now have queued theirs).
+    pub fn take_flush_request(&mut self, conn: ConnId) -> bool {
+        match self.conns.get_mut(conn.0 as usize) {
+            Some(c) if !c.pending.is_empty() && !c.flush_scheduled => {
+                c.flush_scheduled = true;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Posts `conn`'s queued transfers, whole transfers per doorbell as credits allow. Ready when
+    /// the queue is empty (or the connection failed: what is left ends with the error); Pending
+    /// while it waits for credits.
+    pub fn flush(&mut self, conn: ConnId, cx: &mut Context<'_>) -> Poll<()> {
+        loop {
+            let Some(c) = self.conns.get_mut(conn.0 as usize) else {
+                return Poll::Ready(());
+            };
+            let Some(need) = c.pending.front().map(|q| q.count.max(1)) else {
+                c.flush_scheduled = false;
+                return Poll::Ready(());
+            };
+            let result = match c.check_ready(conn.0) {
+                Err(e) => Err(e),
+                Ok(()) if (c.credits.available() as usize) < need => {
+                    c.credit_waiters.push(cx.waker().clone());
+                    return Poll::Pending;
+                }
+                Ok(()) => {
+                    let free = c.credits.available() as usize;
+                    self.post_queued(conn, free)
+                }
+            };
+            if let Err(e) = result {
+                // The queued transfers keep this error; the others on the connection end
+                // flushed.
+                if let Some(c) = self.conns.get_mut(conn.0 as usize) {
+                    fail_pending(c, &mut self.inflight, &e);
+                    c.flush_scheduled = false;
+                }
+                if matches!(e, TransferError::Post(_)) {
+                    self.fail_connection(conn, "post failed", &TransferError::Flushed);
+                }
+                return Poll::Ready(());
+            }
+        }
+    }
+
+    /// Posts whole queued transfers of `conn` that fit in `free` send-queue slots with one
+    /// doorbell. Only the batch's last request and every [`COALESCE_SIGNAL_INTERVAL`]-th are
+    /// signaled; a transfer whose last request is unsignaled is covered by the next signaled one.
+    fn post_queued(&mut self, conn: ConnId, free: usize) -> Result<usize, TransferError> {
+        let Core {
+            conns,
+            inflight,
+            counters,
+            cfg,
+            ..
+        } = self;
+        let c = conns
+            .get_mut(conn.0 as usize)
+            .ok_or_else(|| unknown(conn.0))?;
+        // Transfers whose futures went away before posting: drop their requests (their memory
+        // may already be released).
+        c.pending.retain(|q| inflight.contains(q.slot));
+        let limit = free.min(cfg.post_batch.max(1) as usize);
+        let (mut n, mut i) = (0, 0);
+        while let Some(q) = c.pending.get(i) {
+            let count = q.count.max(1);
+            if n + count > limit {
+                break;
+            }
+            n += count;
+            i += count;
+        }
+        if n == 0 {
+            return Ok(0);
+        }
+        let signals = c.credits.plan_every(n as u32, COALESCE_SIGNAL_INTERVAL);
+        let mut keeps: SmallVec<[&Q::Keep; 8]> = SmallVec::new();
+        let mut last_slot = None;
+        for (q, signal) in c.pending.iter().take(n).zip(signals.flags()) {
+            let bytes: u64 = q.sges.iter().map(|g| u64::from(g.length)).sum();
+            let flags = SendFlags {
+                signaled: signal,
+                inline: c.inline(&q.op, bytes),
+                ..SendFlags::default()
+            };
+            c.queue.push(q.slot.wr_id(signal), q.op, &q.sges, flags);
+            if last_slot != Some(q.slot) {
+                last_slot = Some(q.slot);
+                keeps.extend(inflight.keepalive(q.slot));
+            }
+        }
+        if let Err(e) = c.queue.post(&keeps) {
+            return Err(TransferError::Post(e.to_string()));
+        }
+        drop(keeps);
+        c.credits.commit(signals);
+        // Transfers whose last request is unsignaled complete with the next signaled request
+        // (the batch's last request is always signaled).
+        let mut uncovered: SmallVec<[SlotId; 8]> = SmallVec::new();
+        let mut finished: SmallVec<[SlotId; 8]> = SmallVec::new();
+        for (q, signal) in c.pending.drain(..n).zip(signals.flags()) {
+            if signal {
+                inflight.add_signaled(q.slot, 1);
+                for a in uncovered.drain(..) {
+                    inflight.cover(q.slot, a);
+                }
+            } else if q.last {
+                uncovered.push(q.slot);
+            }
+            if q.last {
+                finished.push(q.slot);
+            }
+        }
+        for s in finished {
+            inflight.finish_posting(s);
+        }
+        counters.work_requests += n as u64;
+        counters.doorbells += 1;
+        Ok(n)
+    }
+
+    /// Posts one signaled request (a SEND) in a new slot keeping `keep`; the caller made sure
+    /// `conn` has a credit ([`Core::poll_credits`]). A refused post is the result.
+    pub fn post_single(&mut self, conn: ConnId, op: SendOp, sge: Sge, keep: Q::Keep) -> Posting {
+        let mut p = self.begin(conn, op_kind(op), keep, &TransferOptions::default());
+        p.started = true;
+        p.posted = true;
+        let Core {
+            conns, inflight, ..
+        } = self;
+        let posted = match conns.get_mut(conn.0 as usize) {
+            None => Err(unknown(conn.0)),
+            Some(c) => {
+                let flags = SendFlags {
+                    inline: c.inline(&op, u64::from(sge.length)),
+                    ..SendFlags::SIGNALED
+                };
+                c.queue.push(p.slot.wr_id(true), op, &[sge], flags);
+                let keep = inflight.keepalive(p.slot);
+                match c.queue.post(keep.as_slice()) {
+                    Ok(()) => {
+                        c.credits.commit(c.credits.plan(1));
+                        inflight.add_signaled(p.slot, 1);
+                        Ok(())
+                    }
+                    Err(e) => Err(TransferError::Post(e.to_string())),
+                }
+            }
+        };
+        if let Err(e) = posted {
+            self.inflight.fail(p.slot, e);
+        }
+        self.inflight.end_posting(p.slot);
+        p
+    }
+}
+
+/// The request of a READ or WRITE piece.
+fn one_sided(op: Op, remote_addr: u64, rkey: u32) -> SendOp {
+    match op {
+        Op::Write => SendOp::Write { remote_addr, rkey },
+        Op::Read => SendOp::Read { remote_addr, rkey },
+    }
+}
+
+/// The transfer direction a single request's slot is filed under (only READ reads remotely).
+fn op_kind(op: SendOp) -> Op {
+    match op {
+        SendOp::Read { .. } => Op::Read,
+        _ => Op::Write,
+    }
+}
+
+/// Ends every queued (not yet posted) transfer of `c` with `err`.
+pub(crate) fn fail_pending<Q, K>(
+    c: &mut Connection<Q>,
+    inflight: &mut InflightTable<K>,
+    err: &TransferError,
+) {
+    for q in c.pending.drain(..) {
+        inflight.fail(q.slot, err.clone());
+        if q.last {
+            inflight.finish_posting(q.slot);
+        }
+    }
+}

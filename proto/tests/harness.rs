@@ -1,0 +1,1330 @@
+//! The transfer core against the deterministic fake NIC and virtual clock: error and timing
+//! paths (deadlines, credits, flushes, dropped and forgotten transfers, stale completions,
+//! coalescing boundaries, receives), each driven step by step the way the runtime's futures and
+//! progress loop drive it.
+
+use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::Duration;
+
+use rixl_proto::harness::{FakeCq, FakeNic, FakeQueue, VirtualClock};
+use rixl_proto::inflight::InflightTable;
+use rixl_proto::{
+    recv_wr_id, Clock, Completion, ConnId, ConnParams, ConnState, Core, CoreConfig,
+    InvalidDescriptor, LocalDesc, Message, Op, Plan, Posting, RegionInfo, RemoteDesc, SendOp, Sge,
+    TransferError, TransferOptions, WcOpcode, WcStatus,
+};
+
+/// What a slot keeps alive: its strong count tells whether the core still holds it.
+type Keep = Rc<&'static str>;
+
+const REGION: RegionInfo = RegionInfo {
+    addr: 0x10_0000,
+    len: 1 << 30,
+    lkey: 7,
+};
+const TIMEOUT: Duration = Duration::from_millis(50);
+
+struct CountWake(AtomicUsize);
+impl Wake for CountWake {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+fn counting_waker() -> (Arc<CountWake>, Waker) {
+    let c = Arc::new(CountWake(AtomicUsize::new(0)));
+    (Arc::clone(&c), Waker::from(c))
+}
+
+struct Fx {
+    nic: FakeNic,
+    cq: FakeCq,
+    clock: VirtualClock,
+    core: Core<FakeQueue<Keep>>,
+    conn: ConnId,
+    keep: Keep,
+}
+
+fn config() -> CoreConfig {
+    let mut cfg = CoreConfig::default();
+    cfg.post_batch = 64;
+    cfg.signal_interval = 4;
+    cfg.transfer_timeout = TIMEOUT;
+    cfg
+}
+
+fn params(depth: u32) -> ConnParams {
+    ConnParams {
+        send_queue_depth: depth,
+        max_send_sge: 4,
+        max_inline: 64,
+    }
+}
+
+impl Fx {
+    fn new() -> Self {
+        Self::with(config(), 16)
+    }
+
+    fn with(cfg: CoreConfig, depth: u32) -> Self {
+        let nic = FakeNic::new();
+        let mut core = Core::new(cfg);
+        let conn = core.add_connection(nic.queue(), params(depth));
+        assert!(core.connected(conn, 1 << 20));
+        let clock = VirtualClock::new();
+        core.set_clock(Some(clock.now()));
+        Fx {
+            cq: nic.cq(),
+            nic,
+            clock,
+            core,
+            conn,
+            keep: Rc::new("registered memory"),
+        }
+    }
+
+    fn qpn(&self) -> u32 {
+        self.nic.posted().first().map_or(0x101, |w| w.qpn)
+    }
+
+    /// A plan of `n` scattered blocks of `len` bytes (none merge).
+    fn plan(&mut self, op: Op, n: u64, len: u64) -> Plan {
+        let (local, remote) = scattered(n, len);
+        let mut plan = self.core.take_plan();
+        self.core
+            .plan_transfer(self.conn, op, &[REGION], &local, &remote, false, &mut plan)
+            .expect("valid lists");
+        plan
+    }
+
+    /// Opens a transfer and posts what credits allow (as the runtime's `post_plan` does).
+    fn start(&mut self, plan: &Plan, opts: TransferOptions) -> (Posting, Poll<()>) {
+        let mut p = self
+            .core
+            .begin(self.conn, Op::Write, Rc::clone(&self.keep), &opts);
+        let r = self
+            .core
+            .post(&mut p, plan, &mut Context::from_waker(Waker::noop()));
+        (p, r)
+    }
+
+    fn write(&mut self, n: u64) -> Posting {
+        let plan = self.plan(Op::Write, n, 4096);
+        let (p, r) = self.start(&plan, TransferOptions::default());
+        assert!(r.is_ready(), "posted at once");
+        p
+    }
+
+    fn reap(&mut self) -> usize {
+        let mut buf = [Completion::success(0, 0); 16];
+        let mut total = 0;
+        loop {
+            let n = self.core.reap(&mut self.cq, &mut buf);
+            total += n;
+            if n == 0 {
+                return total;
+            }
+        }
+    }
+
+    /// Polls a transfer as its future does: its result, else reap, else wait.
+    fn poll(&mut self, p: &mut Posting, waker: &Waker) -> Poll<Result<(), TransferError>> {
+        if let Poll::Ready(r) = self.core.try_finish(p) {
+            return Poll::Ready(r);
+        }
+        self.reap();
+        self.core.poll_finish(p, &mut Context::from_waker(waker))
+    }
+
+    fn poll_noop(&mut self, p: &mut Posting) -> Poll<Result<(), TransferError>> {
+        self.poll(p, Waker::noop())
+    }
+
+    /// Moves the clock as the progress loop does on a tick, and expires what passed.
+    fn tick(&mut self, d: Duration) -> usize {
+        self.clock.advance(d);
+        let now = self.clock.now();
+        self.core.set_clock(Some(now));
+        self.core.expire(now)
+    }
+
+    fn held(&self) -> usize {
+        Rc::strong_count(&self.keep) - 1
+    }
+}
+
+fn scattered(n: u64, len: u64) -> (Vec<LocalDesc>, Vec<RemoteDesc>) {
+    let local = (0..n)
+        .map(|i| LocalDesc {
+            region: 0,
+            offset: i * 2 * len,
+            len,
+        })
+        .collect();
+    let remote = (0..n)
+        .map(|i| RemoteDesc {
+            addr: 0x9000_0000 + i * 3 * len,
+            len,
+            rkey: 9,
+        })
+        .collect();
+    (local, remote)
+}
+
+// ---- completion and waking ----
+
+#[test]
+fn a_transfer_completes_after_its_signaled_completion_and_releases_its_memory() {
+    let mut fx = Fx::new();
+    let mut p = fx.write(1);
+    assert_eq!(fx.nic.doorbells(), 1);
+    assert_eq!(fx.held(), 1, "the slot holds the memory");
+    assert!(fx.poll_noop(&mut p).is_pending());
+    fx.nic.complete_all();
+    assert_eq!(fx.poll_noop(&mut p), Poll::Ready(Ok(())));
+    assert!(p.finished());
+    assert_eq!(fx.held(), 0);
+    assert_eq!(fx.core.inflight_len(), 0);
+}
+
+#[test]
+fn a_completion_wakes_the_waiting_transfer_once() {
+    let mut fx = Fx::new();
+    let mut p = fx.write(1);
+    let (count, waker) = counting_waker();
+    assert!(fx.poll(&mut p, &waker).is_pending());
+    fx.nic.complete_all();
+    fx.reap();
+    assert_eq!(count.0.load(Ordering::SeqCst), 1);
+    assert_eq!(fx.poll(&mut p, &waker), Poll::Ready(Ok(())));
+    assert_eq!(count.0.load(Ordering::SeqCst), 1, "no second wake");
+}
+
+#[test]
+fn a_transfer_that_reaps_its_own_completion_does_not_wake_itself() {
+    let mut fx = Fx::new();
+    let mut p = fx.write(2);
+    fx.nic.complete_all();
+    let (count, waker) = counting_waker();
+    assert_eq!(fx.poll(&mut p, &waker), Poll::Ready(Ok(())));
+    assert_eq!(count.0.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn out_of_order_completions_across_connections_finish_each_transfer_once() {
+    let mut fx = Fx::new();
+    let second = fx.core.add_connection(fx.nic.queue(), params(16));
+    fx.core.connected(second, 1 << 20);
+    let mut a = fx.write(1);
+    let plan = fx.plan(Op::Write, 1, 4096);
+    let mut b = fx.core.begin(
+        second,
+        Op::Write,
+        Rc::clone(&fx.keep),
+        &TransferOptions::default(),
+    );
+    assert!(fx
+        .core
+        .post(&mut b, &plan, &mut Context::from_waker(Waker::noop()))
+        .is_ready());
+    // B's request (posted second, on another queue pair) completes first.
+    assert!(fx.nic.complete_at(1, WcStatus::Success).is_some());
+    assert!(fx.poll_noop(&mut a).is_pending());
+    assert_eq!(fx.poll_noop(&mut b), Poll::Ready(Ok(())));
+    fx.nic.complete_all();
+    assert_eq!(fx.poll_noop(&mut a), Poll::Ready(Ok(())));
+    assert_eq!(fx.core.counters().stale_completions, 0);
+}
+
+#[test]
+fn polls_and_completions_are_counted_per_reap() {
+    let mut fx = Fx::new();
+    let mut p = fx.write(8);
+    fx.nic.complete_all();
+    assert_eq!(fx.poll_noop(&mut p), Poll::Ready(Ok(())));
+    let c = fx.core.counters();
+    assert_eq!(c.completions, 2, "8 requests, signaled every 4th");
+    assert_eq!(c.polls, 1);
+    assert_eq!(c.work_requests, 8);
+    assert_eq!(c.doorbells, 1);
+}
+
+// ---- deadlines ----
+
+#[test]
+fn a_transfer_completed_before_it_waits_never_arms_a_deadline() {
+    let mut fx = Fx::new();
+    let mut p = fx.write(1);
+    fx.nic.complete_all();
+    assert_eq!(fx.poll_noop(&mut p), Poll::Ready(Ok(())));
+    assert!(!p.deadline_armed());
+    assert_eq!(fx.core.deadlines_len(), 0);
+}
+
+#[test]
+fn the_deadline_is_armed_once_when_the_transfer_first_waits() {
+    let mut fx = Fx::new();
+    let mut p = fx.write(1);
+    assert_eq!(fx.core.deadlines_len(), 0, "posting arms nothing");
+    assert!(fx.poll_noop(&mut p).is_pending());
+    assert!(p.deadline_armed());
+    assert!(fx.poll_noop(&mut p).is_pending());
+    assert_eq!(fx.core.deadlines_len(), 1, "armed once");
+}
+
+#[test]
+fn a_waiting_transfer_times_out_and_fails_its_connection() {
+    let mut fx = Fx::new();
+    let mut p = fx.write(1);
+    assert!(fx.poll_noop(&mut p).is_pending());
+    assert_eq!(fx.tick(TIMEOUT - Duration::from_millis(1)), 0, "not yet");
+    assert_eq!(fx.tick(Duration::from_millis(2)), 1);
+    assert_eq!(
+        fx.poll_noop(&mut p),
+        Poll::Ready(Err(TransferError::Timeout(TIMEOUT)))
+    );
+    assert!(matches!(fx.core.state(fx.conn), Some(ConnState::Failed(_))));
+    assert!(fx.nic.errored(fx.qpn()), "the QP is moved to error");
+}
+
+#[test]
+fn a_timed_out_transfer_keeps_its_memory_until_the_nic_flushes_it() {
+    let mut fx = Fx::new();
+    let mut p = fx.write(4);
+    assert!(fx.poll_noop(&mut p).is_pending());
+    fx.tick(TIMEOUT * 2);
+    assert!(matches!(
+        fx.poll_noop(&mut p),
+        Poll::Ready(Err(TransferError::Timeout(_)))
+    ));
+    assert_eq!(fx.held(), 1, "the NIC may still read it");
+    assert_eq!(fx.nic.flush(fx.qpn()), 4);
+    fx.reap();
+    assert_eq!(fx.held(), 0, "released once flushed");
+    assert_eq!(fx.core.inflight_len(), 0);
+}
+
+#[test]
+fn a_per_transfer_timeout_overrides_the_default() {
+    let mut fx = Fx::new();
+    let plan = fx.plan(Op::Write, 1, 4096);
+    let mut opts = TransferOptions::default();
+    opts.timeout = Some(Duration::from_millis(5));
+    let (mut p, _) = fx.start(&plan, opts);
+    assert!(fx.poll_noop(&mut p).is_pending());
+    assert_eq!(fx.tick(Duration::from_millis(6)), 1);
+    assert_eq!(
+        fx.poll_noop(&mut p),
+        Poll::Ready(Err(TransferError::Timeout(Duration::from_millis(5))))
+    );
+}
+
+#[test]
+fn a_deadline_armed_while_the_clock_was_stopped_counts_from_the_next_clock_read() {
+    let mut fx = Fx::new();
+    fx.core.set_clock(None);
+    let mut p = fx.write(1);
+    assert!(fx.poll_noop(&mut p).is_pending());
+    // Time passes while the clock is stopped: it does not count.
+    fx.clock.advance(TIMEOUT * 10);
+    let now = fx.clock.now();
+    fx.core.set_clock(Some(now));
+    assert_eq!(fx.core.expire(now), 0, "stamped now + timeout, not expired");
+    assert_eq!(fx.tick(TIMEOUT + Duration::from_millis(1)), 1);
+}
+
+#[test]
+fn a_finished_transfers_deadline_expires_nothing() {
+    let mut fx = Fx::new();
+    let mut p = fx.write(1);
+    assert!(fx.poll_noop(&mut p).is_pending());
+    fx.nic.complete_all();
+    assert_eq!(fx.poll_noop(&mut p), Poll::Ready(Ok(())));
+    assert_eq!(fx.tick(TIMEOUT * 2), 0);
+    assert_eq!(fx.core.state(fx.conn), Some(&ConnState::Ready));
+}
+
+#[test]
+fn a_detached_transfers_deadline_expires_nothing() {
+    let mut fx = Fx::new();
+    let mut p = fx.write(1);
+    assert!(fx.poll_noop(&mut p).is_pending());
+    assert!(!fx.core.detach(p.slot()));
+    assert_eq!(fx.tick(TIMEOUT * 2), 0, "nobody waits for it");
+    assert_eq!(fx.core.state(fx.conn), Some(&ConnState::Ready));
+    fx.nic.complete_all();
+    fx.reap();
+    assert_eq!(fx.held(), 0);
+}
+
+#[test]
+fn parking_with_nothing_in_flight_drops_the_deadlines() {
+    let mut fx = Fx::new();
+    let mut p = fx.write(1);
+    assert!(fx.poll_noop(&mut p).is_pending());
+    fx.nic.complete_all();
+    assert_eq!(fx.poll_noop(&mut p), Poll::Ready(Ok(())));
+    assert_eq!(fx.core.deadlines_len(), 1, "dropped lazily");
+    fx.core.on_park();
+    assert_eq!(fx.core.deadlines_len(), 0);
+    assert_eq!(fx.core.clock(), None);
+}
+
+#[test]
+fn many_deadlines_expire_in_order_of_their_instants() {
+    let mut fx = Fx::with(config(), 64);
+    let mut ps = Vec::new();
+    for ms in [30u64, 10, 20] {
+        let plan = fx.plan(Op::Write, 1, 64);
+        let mut opts = TransferOptions::default();
+        opts.timeout = Some(Duration::from_millis(ms));
+        let (mut p, _) = fx.start(&plan, opts);
+        assert!(fx.poll_noop(&mut p).is_pending());
+        ps.push(p);
+    }
+    assert_eq!(fx.tick(Duration::from_millis(11)), 1);
+    assert!(matches!(
+        fx.poll_noop(&mut ps[1]),
+        Poll::Ready(Err(TransferError::Timeout(d))) if d == Duration::from_millis(10)
+    ));
+    // The connection failed with the first timeout: the others end flushed once the NIC is.
+    fx.nic.flush(fx.qpn());
+    assert_eq!(
+        fx.poll_noop(&mut ps[0]),
+        Poll::Ready(Err(TransferError::Flushed))
+    );
+    assert_eq!(
+        fx.poll_noop(&mut ps[2]),
+        Poll::Ready(Err(TransferError::Flushed))
+    );
+}
+
+// ---- credits ----
+
+#[test]
+fn credit_exhaustion_posts_what_fits_and_resumes_on_a_signaled_completion() {
+    let mut fx = Fx::new();
+    let plan = fx.plan(Op::Write, 40, 4096);
+    let (mut p, r) = fx.start(&plan, TransferOptions::default());
+    assert!(r.is_pending(), "16 of 40 fit");
+    assert_eq!(fx.nic.outstanding().len(), 16);
+    assert!(!p.posted());
+    // The first signaled request (the 4th) frees 4 slots.
+    fx.nic.complete(4);
+    let (count, waker) = counting_waker();
+    assert!(fx
+        .core
+        .post(&mut p, &plan, &mut Context::from_waker(&waker))
+        .is_pending());
+    fx.reap();
+    assert!(
+        count.0.load(Ordering::SeqCst) >= 1,
+        "credits wake the poster"
+    );
+    assert!(fx
+        .core
+        .post(&mut p, &plan, &mut Context::from_waker(&waker))
+        .is_pending());
+    assert_eq!(fx.nic.posted().len(), 20);
+    while !p.posted() {
+        fx.nic.complete_all();
+        fx.reap();
+        let _ = fx
+            .core
+            .post(&mut p, &plan, &mut Context::from_waker(Waker::noop()));
+    }
+    fx.nic.complete_all();
+    assert_eq!(fx.poll_noop(&mut p), Poll::Ready(Ok(())));
+    assert_eq!(fx.nic.posted().len(), 40);
+}
+
+#[test]
+fn waiting_for_credits_arms_the_deadline_and_can_time_out() {
+    let mut fx = Fx::new();
+    let plan = fx.plan(Op::Write, 40, 4096);
+    let (mut p, r) = fx.start(&plan, TransferOptions::default());
+    assert!(r.is_pending());
+    assert!(
+        p.deadline_armed(),
+        "a transfer waiting for credits waits too"
+    );
+    assert_eq!(fx.tick(TIMEOUT * 2), 1);
+    // Posting stops (the connection failed); the result is the timeout.
+    assert!(fx
+        .core
+        .post(&mut p, &plan, &mut Context::from_waker(Waker::noop()))
+        .is_ready());
+    assert_eq!(
+        fx.poll_noop(&mut p),
+        Poll::Ready(Err(TransferError::Timeout(TIMEOUT)))
+    );
+    assert_eq!(fx.nic.posted().len(), 16, "nothing more posted");
+}
+
+#[test]
+fn poll_credits_waits_for_k_free_slots() {
+    let mut fx = Fx::with(config(), 8);
+    let _p = fx.write(8);
+    let (count, waker) = counting_waker();
+    let mut cx = Context::from_waker(&waker);
+    assert!(fx.core.poll_credits(fx.conn, 1, &mut cx).is_pending());
+    fx.nic.complete(4);
+    fx.reap();
+    assert_eq!(count.0.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        fx.core.poll_credits(fx.conn, 4, &mut cx),
+        Poll::Ready(Ok(4))
+    );
+    assert!(fx.core.poll_credits(fx.conn, 5, &mut cx).is_pending());
+}
+
+#[test]
+fn a_large_transfer_rings_one_doorbell_per_post_batch() {
+    let mut cfg = config();
+    cfg.post_batch = 4;
+    let mut fx = Fx::with(cfg, 64);
+    let mut p = fx.write(10);
+    assert_eq!(p.doorbells(), 3);
+    assert_eq!(fx.nic.doorbells(), 3);
+    let doorbells: Vec<u64> = fx.nic.posted().iter().map(|w| w.doorbell).collect();
+    assert_eq!(doorbells, [1, 1, 1, 1, 2, 2, 2, 2, 3, 3]);
+    fx.nic.complete_all();
+    assert_eq!(fx.poll_noop(&mut p), Poll::Ready(Ok(())));
+}
+
+#[test]
+fn every_interval_th_request_and_the_last_are_signaled() {
+    let mut fx = Fx::new();
+    let _p = fx.write(10);
+    let signaled: Vec<bool> = fx.nic.posted().iter().map(|w| w.flags.signaled).collect();
+    assert_eq!(
+        signaled,
+        [false, false, false, true, false, false, false, true, false, true]
+    );
+}
+
+// ---- errors and flushes ----
+
+#[test]
+fn an_error_completion_fails_the_transfer_with_its_mapped_error_and_the_connection() {
+    let mut fx = Fx::new();
+    let mut p = fx.write(1);
+    let wr = fx.nic.outstanding()[0].wr_id;
+    assert!(fx.nic.complete_wr(wr, WcStatus::RemoteAccessError));
+    assert_eq!(
+        fx.poll_noop(&mut p),
+        Poll::Ready(Err(TransferError::RemoteAccess {
+            status: WcStatus::RemoteAccessError
+        }))
+    );
+    assert_eq!(
+        fx.core.state(fx.conn),
+        Some(&ConnState::Failed("IBV_WC_REM_ACCESS_ERR".into()))
+    );
+}
+
+#[test]
+fn retry_exceeded_is_a_remote_disconnect() {
+    let mut fx = Fx::new();
+    let mut p = fx.write(1);
+    fx.nic.complete_at(0, WcStatus::RetryExceededError);
+    assert!(matches!(
+        fx.poll_noop(&mut p),
+        Poll::Ready(Err(TransferError::RemoteDisconnect { .. }))
+    ));
+}
+
+#[test]
+fn after_an_error_the_flush_ends_every_transfer_on_the_connection_and_the_first_error_stays() {
+    let mut fx = Fx::new();
+    let mut a = fx.write(4);
+    let mut b = fx.write(4);
+    // A's unsignaled first request fails; the NIC flushes the rest.
+    fx.nic.complete_at(0, WcStatus::RemoteAccessError);
+    fx.nic.flush(fx.qpn());
+    assert!(matches!(
+        fx.poll_noop(&mut a),
+        Poll::Ready(Err(TransferError::RemoteAccess { .. }))
+    ));
+    assert_eq!(
+        fx.poll_noop(&mut b),
+        Poll::Ready(Err(TransferError::Flushed))
+    );
+    assert_eq!(fx.held(), 0);
+}
+
+#[test]
+fn a_failed_connection_refuses_new_transfers_before_anything_is_posted() {
+    let mut fx = Fx::new();
+    fx.core
+        .fail_connection(fx.conn, "aborted", &TransferError::Flushed);
+    let (local, remote) = scattered(1, 64);
+    let mut plan = Plan::default();
+    let err = fx
+        .core
+        .plan_transfer(
+            fx.conn,
+            Op::Write,
+            &[REGION],
+            &local,
+            &remote,
+            false,
+            &mut plan,
+        )
+        .unwrap_err();
+    assert_eq!(err, TransferError::Connection(fx.conn.0, "aborted".into()));
+    assert_eq!(fx.nic.doorbells(), 0);
+}
+
+#[test]
+fn a_transfer_begun_on_a_connection_that_fails_before_posting_ends_with_its_error() {
+    let mut fx = Fx::new();
+    let plan = fx.plan(Op::Write, 1, 64);
+    let mut p = fx.core.begin(
+        fx.conn,
+        Op::Write,
+        Rc::clone(&fx.keep),
+        &TransferOptions::default(),
+    );
+    fx.core
+        .fail_connection(fx.conn, "aborted", &TransferError::Flushed);
+    assert!(fx
+        .core
+        .post(&mut p, &plan, &mut Context::from_waker(Waker::noop()))
+        .is_ready());
+    // Every live transfer of a failed connection ends flushed (nothing of it was posted).
+    assert_eq!(
+        fx.poll_noop(&mut p),
+        Poll::Ready(Err(TransferError::Flushed))
+    );
+    assert_eq!(fx.held(), 0);
+}
+
+#[test]
+fn a_post_the_nic_refuses_fails_the_transfer_and_the_connection() {
+    let mut fx = Fx::new();
+    fx.nic.refuse_posts(1);
+    let mut p = fx.write(2);
+    assert!(matches!(
+        fx.poll_noop(&mut p),
+        Poll::Ready(Err(TransferError::Post(_)))
+    ));
+    assert!(matches!(fx.core.state(fx.conn), Some(ConnState::Failed(why)) if why == "post failed"));
+    assert_eq!(
+        fx.core.counters().doorbells,
+        0,
+        "a refused batch does not count"
+    );
+}
+
+#[test]
+fn a_refused_chunk_ends_the_transfer_once_its_earlier_chunks_are_flushed() {
+    let mut cfg = config();
+    cfg.post_batch = 2;
+    let mut fx = Fx::with(cfg, 64);
+    fx.nic.refuse_posts_after(1, 1);
+    let mut p = fx.write(6);
+    assert_eq!(fx.nic.outstanding().len(), 2, "the first chunk went out");
+    assert!(matches!(fx.core.state(fx.conn), Some(ConnState::Failed(_))));
+    assert!(
+        fx.poll_noop(&mut p).is_pending(),
+        "its first chunk is still the NIC's"
+    );
+    assert_eq!(fx.held(), 1);
+    fx.nic.flush(fx.qpn());
+    assert!(matches!(
+        fx.poll_noop(&mut p),
+        Poll::Ready(Err(TransferError::Post(_)))
+    ));
+    assert_eq!(fx.held(), 0);
+}
+
+// ---- dropped and forgotten transfers ----
+
+#[test]
+fn a_dropped_transfer_keeps_its_memory_until_the_nic_is_done() {
+    let mut fx = Fx::new();
+    let mut p = fx.write(3);
+    assert!(fx.poll_noop(&mut p).is_pending());
+    assert!(!fx.core.detach(p.slot()), "work outstanding");
+    assert_eq!(fx.held(), 1);
+    fx.nic.complete_all();
+    fx.reap();
+    assert_eq!(fx.held(), 0);
+    assert!(!fx.core.contains(p.slot()));
+}
+
+#[test]
+fn a_transfer_dropped_while_waiting_for_credits_posts_nothing_more() {
+    let mut fx = Fx::new();
+    let plan = fx.plan(Op::Write, 40, 4096);
+    let (p, r) = fx.start(&plan, TransferOptions::default());
+    assert!(r.is_pending());
+    fx.core.detach(p.slot());
+    fx.nic.complete_all();
+    fx.reap();
+    assert_eq!(fx.nic.posted().len(), 16, "the rest is never posted");
+    assert_eq!(fx.held(), 0, "released with its last completion");
+}
+
+#[test]
+fn a_forgotten_transfer_holds_its_memory_until_the_core_goes() {
+    let mut fx = Fx::new();
+    let mut p = fx.write(1);
+    assert!(fx.poll_noop(&mut p).is_pending());
+    std::mem::forget(p);
+    fx.nic.complete_all();
+    fx.reap();
+    assert_eq!(fx.held(), 1, "parked result: nobody detached the slot");
+    let keep = Rc::clone(&fx.keep);
+    drop(fx);
+    assert_eq!(Rc::strong_count(&keep), 1, "dropping the core releases it");
+}
+
+#[test]
+fn a_dropped_transfer_with_nothing_outstanding_is_released_at_once() {
+    let mut fx = Fx::new();
+    let p = fx.core.begin(
+        fx.conn,
+        Op::Write,
+        Rc::clone(&fx.keep),
+        &TransferOptions::default(),
+    );
+    assert!(fx.core.detach(p.slot()));
+    assert_eq!(fx.held(), 0);
+}
+
+// ---- stale completions, slot reuse, generations ----
+
+#[test]
+fn a_stale_completion_after_slot_reuse_is_counted_and_ignored() {
+    let mut fx = Fx::new();
+    let mut a = fx.write(1);
+    let old = fx.nic.outstanding()[0].clone();
+    fx.nic.complete_all();
+    assert_eq!(fx.poll_noop(&mut a), Poll::Ready(Ok(())));
+    let mut b = fx.write(1);
+    assert_eq!(a.slot().key, b.slot().key, "the key is reused");
+    assert_ne!(a.slot().generation, b.slot().generation);
+    fx.nic.inject(Completion::success(old.qpn, old.wr_id));
+    fx.reap();
+    assert_eq!(fx.core.counters().stale_completions, 1);
+    assert!(
+        fx.poll_noop(&mut b).is_pending(),
+        "B is not completed by A's CQE"
+    );
+    fx.nic.complete_all();
+    assert_eq!(fx.poll_noop(&mut b), Poll::Ready(Ok(())));
+}
+
+#[test]
+fn a_completion_from_an_unknown_queue_pair_changes_nothing() {
+    let mut fx = Fx::new();
+    let mut p = fx.write(1);
+    let wr = fx.nic.outstanding()[0].wr_id;
+    let mut foreign = Completion::success(0xdead, wr ^ 0x7fff_0000_0000);
+    foreign.status = WcStatus::RemoteAccessError;
+    fx.nic.inject(foreign);
+    fx.reap();
+    assert_eq!(fx.core.state(fx.conn), Some(&ConnState::Ready));
+    assert_eq!(fx.core.counters().stale_completions, 1);
+    fx.nic.complete_all();
+    assert_eq!(fx.poll_noop(&mut p), Poll::Ready(Ok(())));
+}
+
+#[test]
+fn generations_wrap_to_one_and_never_match_an_old_slot() {
+    let max = InflightTable::<()>::MAX_GENERATION;
+    let mut t: InflightTable<()> = InflightTable::starting_at_generation(max);
+    let last = t.insert(0, ());
+    assert_eq!(last.generation, max);
+    assert!(t.detach(last));
+    let wrapped = t.insert(0, ());
+    assert_eq!(wrapped.generation, 1, "0 is skipped");
+    assert_eq!(wrapped.key, last.key);
+    t.add_signaled(wrapped, 1);
+    t.end_posting(wrapped);
+    assert_eq!(
+        t.on_completion(last.wr_id(true), Ok(())),
+        rixl_proto::inflight::Routed::Stale
+    );
+    assert_eq!(
+        t.on_completion(wrapped.wr_id(true), Ok(())),
+        rixl_proto::inflight::Routed::Finished
+    );
+    let (key, generation, signaled) = rixl_proto::inflight::decode_wr_id(last.wr_id(true));
+    assert_eq!((key, generation, signaled), (last.key, max, true));
+}
+
+// ---- coalescing ----
+
+fn coalescing() -> Fx {
+    let mut cfg = config();
+    cfg.coalesce = true;
+    cfg.signal_interval = 32;
+    Fx::with(cfg, 64)
+}
+
+#[test]
+fn coalescing_posts_the_first_small_transfer_of_a_turn_at_once() {
+    let mut fx = coalescing();
+    let p = fx.write(1);
+    assert!(!p.queued());
+    assert_eq!(fx.nic.doorbells(), 1);
+    assert!(!fx.core.take_flush_request(fx.conn));
+}
+
+#[test]
+fn coalescing_queues_later_small_transfers_of_the_turn_and_flushes_them_with_one_doorbell() {
+    let mut fx = coalescing();
+    let mut first = fx.write(1);
+    let mut queued: Vec<Posting> = (0..3).map(|_| fx.write(1)).collect();
+    assert!(queued.iter().all(Posting::queued));
+    assert_eq!(fx.nic.doorbells(), 1);
+    assert_eq!(fx.core.counters().queued, 3);
+    assert!(fx.core.take_flush_request(fx.conn));
+    assert!(!fx.core.take_flush_request(fx.conn), "one flush at a time");
+    assert!(fx
+        .core
+        .flush(fx.conn, &mut Context::from_waker(Waker::noop()))
+        .is_ready());
+    assert_eq!(fx.nic.doorbells(), 2, "three transfers, one doorbell");
+    let signaled: Vec<bool> = fx.nic.outstanding()[1..]
+        .iter()
+        .map(|w| w.flags.signaled)
+        .collect();
+    assert_eq!(signaled, [false, false, true], "only the batch's last");
+    fx.nic.complete_all();
+    assert_eq!(fx.poll_noop(&mut first), Poll::Ready(Ok(())));
+    for p in &mut queued {
+        assert_eq!(fx.poll_noop(p), Poll::Ready(Ok(())), "covered by the last");
+    }
+    assert_eq!(fx.held(), 0);
+}
+
+#[test]
+fn coalescing_never_queues_a_transfer_of_more_than_the_limit() {
+    let mut fx = coalescing();
+    let _first = fx.write(1);
+    let big = fx.write(rixl_proto::COALESCE_MAX_WRS as u64 + 1);
+    assert!(!big.queued());
+    let small = fx.write(rixl_proto::COALESCE_MAX_WRS as u64);
+    assert!(small.queued(), "at the limit it is queued");
+}
+
+#[test]
+fn coalescing_posts_at_once_again_in_the_next_turn() {
+    let mut fx = coalescing();
+    let _a = fx.write(1);
+    let b = fx.write(1);
+    assert!(b.queued());
+    let _ = fx
+        .core
+        .flush(fx.conn, &mut Context::from_waker(Waker::noop()));
+    fx.core.next_turn();
+    let c = fx.write(1);
+    assert!(!c.queued());
+}
+
+#[test]
+fn coalescing_never_queues_a_notification() {
+    let mut fx = coalescing();
+    let _a = fx.write(1);
+    let plan = fx.plan(Op::Write, 1, 64);
+    let mut opts = TransferOptions::default();
+    opts.notify_imm = Some(5);
+    let (p, _) = fx.start(&plan, opts);
+    assert!(!p.queued());
+    let last = fx.nic.posted().last().cloned().expect("posted");
+    assert!(matches!(last.op, SendOp::WriteWithImm { imm: 5, .. }));
+}
+
+#[test]
+fn coalescing_flush_waits_for_credits_for_a_whole_transfer() {
+    let mut cfg = config();
+    cfg.coalesce = true;
+    let mut fx = Fx::with(cfg, 4);
+    let _a = fx.write(2);
+    let b = fx.write(3);
+    assert!(b.queued());
+    let (count, waker) = counting_waker();
+    let mut cx = Context::from_waker(&waker);
+    assert!(
+        fx.core.flush(fx.conn, &mut cx).is_pending(),
+        "2 free, 3 needed"
+    );
+    assert_eq!(fx.nic.doorbells(), 1);
+    fx.nic.complete_all();
+    fx.reap();
+    assert_eq!(count.0.load(Ordering::SeqCst), 1);
+    assert!(fx.core.flush(fx.conn, &mut cx).is_ready());
+    assert_eq!(fx.nic.doorbells(), 2);
+}
+
+#[test]
+fn coalescing_drops_a_queued_transfer_whose_future_went_away() {
+    let mut fx = coalescing();
+    let mut a = fx.write(1);
+    let b = fx.write(1);
+    let mut c = fx.write(1);
+    fx.core.detach(b.slot());
+    let _ = fx
+        .core
+        .flush(fx.conn, &mut Context::from_waker(Waker::noop()));
+    assert_eq!(fx.nic.posted().len(), 2, "B's request is not posted");
+    fx.nic.complete_all();
+    assert_eq!(fx.poll_noop(&mut a), Poll::Ready(Ok(())));
+    assert_eq!(fx.poll_noop(&mut c), Poll::Ready(Ok(())));
+    assert_eq!(fx.held(), 0);
+}
+
+#[test]
+fn coalescing_signals_every_eighth_request_of_a_batch() {
+    let mut fx = coalescing();
+    let _a = fx.write(1);
+    let mut ps: Vec<Posting> = (0..20).map(|_| fx.write(1)).collect();
+    let _ = fx
+        .core
+        .flush(fx.conn, &mut Context::from_waker(Waker::noop()));
+    let signaled: Vec<usize> = fx.nic.outstanding()[1..]
+        .iter()
+        .enumerate()
+        .filter(|(_, w)| w.flags.signaled)
+        .map(|(i, _)| i)
+        .collect();
+    assert_eq!(signaled, [7, 15, 19]);
+    // Completing up to the first signal finishes the first eight only.
+    fx.nic.complete(1 + 8);
+    fx.reap();
+    let done = ps
+        .iter_mut()
+        .map(|p| fx.core.try_finish(p).is_ready())
+        .filter(|d| *d)
+        .count();
+    assert_eq!(done, 8);
+}
+
+#[test]
+fn coalesced_transfers_end_with_the_error_when_the_connection_fails_before_the_flush() {
+    let mut fx = coalescing();
+    let _a = fx.write(1);
+    let mut b = fx.write(1);
+    fx.core
+        .fail_connection(fx.conn, "aborted", &TransferError::Flushed);
+    assert!(fx
+        .core
+        .flush(fx.conn, &mut Context::from_waker(Waker::noop()))
+        .is_ready());
+    assert_eq!(
+        fx.poll_noop(&mut b),
+        Poll::Ready(Err(TransferError::Flushed))
+    );
+    assert_eq!(fx.nic.doorbells(), 1, "nothing queued is posted");
+}
+
+#[test]
+fn coalesced_transfers_fail_when_the_flush_post_is_refused() {
+    let mut fx = coalescing();
+    let _a = fx.write(1);
+    let mut b = fx.write(1);
+    fx.nic.refuse_posts(1);
+    let _ = fx
+        .core
+        .flush(fx.conn, &mut Context::from_waker(Waker::noop()));
+    assert!(matches!(
+        fx.poll_noop(&mut b),
+        Poll::Ready(Err(TransferError::Post(_)))
+    ));
+    assert!(matches!(fx.core.state(fx.conn), Some(ConnState::Failed(_))));
+}
+
+// ---- planning, notifications, prepared transfers ----
+
+#[test]
+fn a_notification_turns_the_last_request_into_a_write_with_immediate() {
+    let mut fx = Fx::new();
+    let plan = fx.plan(Op::Write, 3, 64);
+    let mut opts = TransferOptions::default();
+    opts.notify_imm = Some(0xfeed);
+    let _ = fx.start(&plan, opts);
+    let ops: Vec<SendOp> = fx.nic.posted().iter().map(|w| w.op).collect();
+    assert!(matches!(ops[0], SendOp::Write { .. }));
+    assert!(matches!(ops[2], SendOp::WriteWithImm { imm: 0xfeed, .. }));
+}
+
+#[test]
+fn a_notification_on_a_read_is_refused() {
+    let fx = Fx::new();
+    let (local, remote) = scattered(1, 64);
+    let err = fx
+        .core
+        .plan_transfer(
+            fx.conn,
+            Op::Read,
+            &[REGION],
+            &local,
+            &remote,
+            true,
+            &mut Plan::default(),
+        )
+        .unwrap_err();
+    assert!(matches!(err, TransferError::Post(_)));
+}
+
+#[test]
+fn bad_descriptors_are_typed_errors_and_nothing_is_posted() {
+    let fx = Fx::new();
+    let mut plan = Plan::default();
+    let remote = [RemoteDesc {
+        addr: 0x1000,
+        len: 64,
+        rkey: 1,
+    }];
+    let outside = [LocalDesc {
+        region: 0,
+        offset: REGION.len - 32,
+        len: 64,
+    }];
+    let err = fx
+        .core
+        .plan_transfer(
+            fx.conn,
+            Op::Write,
+            &[REGION],
+            &outside,
+            &remote,
+            false,
+            &mut plan,
+        )
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        TransferError::InvalidDescriptor(InvalidDescriptor::OutOfRange { index: 0, .. })
+    ));
+    let unknown_region = [LocalDesc {
+        region: 3,
+        offset: 0,
+        len: 64,
+    }];
+    let err = fx
+        .core
+        .plan_transfer(
+            fx.conn,
+            Op::Write,
+            &[REGION],
+            &unknown_region,
+            &remote,
+            false,
+            &mut plan,
+        )
+        .unwrap_err();
+    assert!(matches!(
+        err,
+        TransferError::InvalidDescriptor(InvalidDescriptor::ForeignRegion { index: 0 })
+    ));
+    assert_eq!(fx.nic.doorbells(), 0);
+}
+
+#[test]
+fn reads_use_at_most_the_devices_read_entries_and_are_never_inline() {
+    let mut cfg = config();
+    cfg.max_sge_rd = 1;
+    let mut fx = Fx::with(cfg, 64);
+    // Two adjacent remote pieces from scattered local blocks: one request for a WRITE (2
+    // entries), two for a READ (1 entry each).
+    let local = [
+        LocalDesc {
+            region: 0,
+            offset: 0,
+            len: 32,
+        },
+        LocalDesc {
+            region: 0,
+            offset: 4096,
+            len: 32,
+        },
+    ];
+    let remote = [RemoteDesc {
+        addr: 0x5000,
+        len: 64,
+        rkey: 3,
+    }];
+    let mut plan = Plan::default();
+    fx.core
+        .plan_transfer(
+            fx.conn,
+            Op::Write,
+            &[REGION],
+            &local,
+            &remote,
+            false,
+            &mut plan,
+        )
+        .expect("valid");
+    assert_eq!(plan.wrs.len(), 1);
+    fx.core
+        .plan_transfer(
+            fx.conn,
+            Op::Read,
+            &[REGION],
+            &local,
+            &remote,
+            false,
+            &mut plan,
+        )
+        .expect("valid");
+    assert_eq!(plan.wrs.len(), 2);
+    let mut p = fx.core.begin(
+        fx.conn,
+        Op::Read,
+        Rc::clone(&fx.keep),
+        &TransferOptions::default(),
+    );
+    let _ = fx
+        .core
+        .post(&mut p, &plan, &mut Context::from_waker(Waker::noop()));
+    assert!(fx
+        .nic
+        .posted()
+        .iter()
+        .all(|w| !w.flags.inline && matches!(w.op, SendOp::Read { .. })));
+}
+
+#[test]
+fn small_writes_go_inline_and_large_ones_do_not() {
+    let mut fx = Fx::new();
+    let _ = fx.write(1);
+    let plan = fx.plan(Op::Write, 1, 64);
+    let _ = fx.start(&plan, TransferOptions::default());
+    let inline: Vec<bool> = fx.nic.posted().iter().map(|w| w.flags.inline).collect();
+    assert_eq!(
+        inline,
+        [false, true],
+        "4 KiB is over the 64-byte grant, 64 B is not"
+    );
+}
+
+#[test]
+fn a_prepared_transfer_is_bound_to_its_connections_epoch() {
+    let mut fx = Fx::new();
+    let epoch = fx.core.epoch(fx.conn).expect("live");
+    assert!(fx
+        .core
+        .check_epoch(fx.conn, epoch, Op::Write, false)
+        .is_ok());
+    assert!(fx.core.remove_connection(fx.conn).is_some());
+    let again = fx.core.add_connection(fx.nic.queue(), params(16));
+    fx.core.connected(again, 1 << 20);
+    assert_eq!(again, fx.conn, "the id is reused");
+    assert_eq!(
+        fx.core.check_epoch(again, epoch, Op::Write, false),
+        Err(TransferError::Connection(
+            again.0,
+            "prepared for a connection that is gone".into()
+        ))
+    );
+}
+
+#[test]
+fn plans_are_recycled_with_their_allocations() {
+    let mut fx = Fx::new();
+    let plan = fx.plan(Op::Write, 100, 64);
+    let cap = plan.wrs.capacity();
+    fx.core.recycle_plan(plan);
+    let again = fx.core.take_plan();
+    assert!(again.wrs.capacity() >= cap.min(100));
+}
+
+// ---- connections, receives, activity ----
+
+#[test]
+fn removing_a_connection_ends_its_queued_transfers_closed() {
+    let mut fx = coalescing();
+    let _a = fx.write(1);
+    let mut b = fx.write(1);
+    assert!(b.queued());
+    assert!(fx.core.remove_connection(fx.conn).is_some());
+    assert_eq!(
+        fx.core.try_finish(&mut b),
+        Poll::Ready(Err(TransferError::Connection(fx.conn.0, "closed".into())))
+    );
+}
+
+#[test]
+fn unknown_connections_are_typed_errors() {
+    let mut fx = Fx::new();
+    let ghost = ConnId(42);
+    let mut cx = Context::from_waker(Waker::noop());
+    assert_eq!(
+        fx.core.poll_credits(ghost, 1, &mut cx),
+        Poll::Ready(Err(TransferError::Connection(42, "unknown".into())))
+    );
+    assert!(matches!(
+        fx.core.poll_recv(ghost, &mut cx),
+        Poll::Ready(Err(TransferError::Connection(42, _)))
+    ));
+    assert_eq!(fx.core.poll_idle(ghost, &mut cx), Poll::Ready(()));
+    let plan = fx.plan(Op::Write, 1, 64);
+    let mut p = fx.core.begin(
+        ghost,
+        Op::Write,
+        Rc::clone(&fx.keep),
+        &TransferOptions::default(),
+    );
+    assert!(fx.core.post(&mut p, &plan, &mut cx).is_ready());
+    assert!(matches!(
+        fx.core.try_finish(&mut p),
+        Poll::Ready(Err(TransferError::Connection(42, _)))
+    ));
+}
+
+fn recv(conn: ConnId, index: u32, len: u32, opcode: WcOpcode, imm: Option<u32>) -> Completion {
+    Completion {
+        wr_id: recv_wr_id(conn.0, index),
+        status: WcStatus::Success,
+        opcode,
+        byte_len: len,
+        imm,
+        qp_num: 0x101,
+    }
+}
+
+#[test]
+fn received_messages_are_delivered_in_order_and_their_buffers_reposted() {
+    let mut fx = Fx::new();
+    let (count, waker) = counting_waker();
+    let mut cx = Context::from_waker(&waker);
+    assert!(fx.core.poll_recv(fx.conn, &mut cx).is_pending());
+    fx.nic.inject(recv(fx.conn, 3, 5, WcOpcode::Recv, None));
+    fx.nic
+        .inject(recv(fx.conn, 4, 0, WcOpcode::RecvRdmaWithImm, Some(77)));
+    fx.reap();
+    assert_eq!(count.0.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        fx.core.poll_recv(fx.conn, &mut cx),
+        Poll::Ready(Ok(Message::Data(vec![3; 5], None)))
+    );
+    assert_eq!(
+        fx.core.poll_recv(fx.conn, &mut cx),
+        Poll::Ready(Ok(Message::Immediate(77)))
+    );
+    assert_eq!(
+        fx.nic.reposted(),
+        [recv_wr_id(fx.conn.0, 3), recv_wr_id(fx.conn.0, 4)]
+    );
+    assert_eq!(fx.nic.received(), [(3, 5)], "an immediate reads no buffer");
+}
+
+#[test]
+fn a_flushed_receive_delivers_nothing_and_is_not_reposted() {
+    let mut fx = Fx::new();
+    let mut c = recv(fx.conn, 1, 0, WcOpcode::Recv, None);
+    c.status = WcStatus::WorkRequestFlushError;
+    fx.nic.inject(c);
+    fx.reap();
+    assert!(fx
+        .core
+        .poll_recv(fx.conn, &mut Context::from_waker(Waker::noop()))
+        .is_pending());
+    assert!(fx.nic.reposted().is_empty());
+}
+
+#[test]
+fn a_failed_connection_delivers_its_inbox_then_its_error() {
+    let mut fx = Fx::new();
+    fx.nic.inject(recv(fx.conn, 0, 2, WcOpcode::Recv, Some(1)));
+    fx.reap();
+    fx.core
+        .fail_connection(fx.conn, "peer gone", &TransferError::Flushed);
+    let mut cx = Context::from_waker(Waker::noop());
+    assert!(matches!(
+        fx.core.poll_recv(fx.conn, &mut cx),
+        Poll::Ready(Ok(Message::Data(_, Some(1))))
+    ));
+    assert_eq!(
+        fx.core.poll_recv(fx.conn, &mut cx),
+        Poll::Ready(Err(TransferError::Connection(
+            fx.conn.0,
+            "peer gone".into()
+        )))
+    );
+}
+
+#[test]
+fn failing_a_connection_wakes_everything_waiting_on_it() {
+    let mut fx = Fx::with(config(), 4);
+    let _p = fx.write(4);
+    let (count, waker) = counting_waker();
+    let mut cx = Context::from_waker(&waker);
+    assert!(fx.core.poll_recv(fx.conn, &mut cx).is_pending());
+    assert!(fx.core.poll_credits(fx.conn, 1, &mut cx).is_pending());
+    fx.core
+        .fail_connection(fx.conn, "aborted", &TransferError::Flushed);
+    assert_eq!(count.0.load(Ordering::SeqCst), 2);
+    assert!(matches!(
+        fx.core.poll_credits(fx.conn, 1, &mut cx),
+        Poll::Ready(Err(TransferError::Connection(..)))
+    ));
+}
+
+#[test]
+fn idle_waits_for_the_connections_outstanding_work() {
+    let mut fx = Fx::new();
+    let mut cx = Context::from_waker(Waker::noop());
+    assert_eq!(fx.core.poll_idle(fx.conn, &mut cx), Poll::Ready(()));
+    let _p = fx.write(2);
+    assert!(fx.core.poll_idle(fx.conn, &mut cx).is_pending());
+    assert!(!fx.core.activity().idle);
+    fx.nic.complete_all();
+    fx.reap();
+    assert_eq!(fx.core.poll_idle(fx.conn, &mut cx), Poll::Ready(()));
+    assert!(fx.core.activity().idle);
+}
+
+#[test]
+fn activity_reports_a_waiting_receive_only_on_a_live_connection() {
+    let mut fx = Fx::new();
+    assert!(!fx.core.activity().waiting_recv);
+    let _ = fx
+        .core
+        .poll_recv(fx.conn, &mut Context::from_waker(Waker::noop()));
+    assert!(fx.core.activity().waiting_recv);
+    fx.core
+        .fail_connection(fx.conn, "aborted", &TransferError::Flushed);
+    assert!(!fx.core.activity().waiting_recv);
+}
+
+#[test]
+fn a_single_send_is_signaled_and_keeps_its_buffer_until_completion() {
+    let mut fx = Fx::new();
+    let sge = Sge {
+        addr: REGION.addr,
+        length: 16,
+        lkey: REGION.lkey,
+    };
+    let mut p = fx.core.post_single(
+        fx.conn,
+        SendOp::SendWithImm { imm: 9 },
+        sge,
+        Rc::clone(&fx.keep),
+    );
+    let wr = fx.nic.posted()[0].clone();
+    assert!(wr.flags.signaled && wr.flags.inline);
+    assert_eq!(fx.held(), 1);
+    fx.nic.complete_all();
+    assert_eq!(fx.poll_noop(&mut p), Poll::Ready(Ok(())));
+    assert_eq!(fx.held(), 0);
+}
+
+#[test]
+fn the_virtual_clock_moves_only_when_told() {
+    let clock = VirtualClock::new();
+    let t0 = clock.now();
+    assert_eq!(clock.now(), t0);
+    clock.advance(Duration::from_secs(3));
+    assert_eq!(clock.now() - t0, Duration::from_secs(3));
+    assert_eq!(clock.elapsed(), Duration::from_secs(3));
+}

@@ -1,0 +1,122 @@
+//! An engine's configuration.
+
+use std::time::Duration;
+
+use rixl_verbs::ConnectOptions;
+
+/// How the progress task waits for completions while work is in flight.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum PollMode {
+    /// Poll the CQ, yielding to other tasks between polls (lowest latency; the core is busy only
+    /// while work is in flight).
+    #[default]
+    Busy,
+    /// Arm the CQ and wait for its completion event off the core (glommio's blocking pool); for
+    /// latency-insensitive users who want no spinning at all.
+    Event,
+}
+
+/// Engine configuration.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct EngineConfig {
+    /// RDMA device name (`None`: the first device).
+    pub device: Option<String>,
+    /// Port and GID index, and the QP transport parameters.
+    pub connect: ConnectOptions,
+    /// Send queue depth of each connection.
+    pub send_queue_depth: u32,
+    /// Receive buffers posted per connection for SEND / WRITE_WITH_IMM messages.
+    pub recv_buffers: u32,
+    /// Largest message `send` carries (size of each receive buffer).
+    pub max_message: u32,
+    /// Most connections; the CQ is sized so it can never overflow with all of them full.
+    pub max_connections: u32,
+    /// Signal at least every this many work requests (and the last of every batch).
+    pub signal_interval: u32,
+    /// WRITEs and SENDs of at most this many bytes are copied into the work request
+    /// (`IBV_SEND_INLINE`): the NIC needs no DMA read of the source, which cuts small-message
+    /// latency. Requested from the device per connection (perftest's default is 220); a device
+    /// that refuses it gets queue pairs without inline data. 0 disables.
+    pub max_inline: u32,
+    /// Most work requests posted with one doorbell.
+    pub post_batch: u32,
+    /// Completions reaped per poll.
+    pub poll_batch: usize,
+    /// Busy or event polling.
+    pub poll_mode: PollMode,
+    /// Default deadline of a transfer.
+    pub transfer_timeout: Duration,
+    /// Busy mode: how many empty polls after the last activity the engine keeps spinning for
+    /// awaited receives before it falls back to polling every 200 µs.
+    pub recv_spin_polls: u32,
+    /// Measure per-transfer prepare/post/total times in [`TransferStats`] (off by default: it
+    /// reads the clock several times per transfer, which is costly on some clock sources).
+    pub timing: bool,
+    /// Coalesce small transfers (off by default): the first transfer of at most
+    /// [`rixl_proto::COALESCE_MAX_WRS`] work requests in a progress turn on a connection is posted at once;
+    /// those that follow it in the same turn are queued and posted together at the end of the
+    /// turn, up to `post_batch` requests per doorbell, and only the batch's last request (plus
+    /// every [`rixl_proto::COALESCE_SIGNAL_INTERVAL`]-th) is signaled; the others complete with it (RC
+    /// completes in order). On rxe, 128 concurrent one-request writes went from one doorbell
+    /// and one completion per request to about 30 requests per doorbell and 8 per completion,
+    /// and 64 B message rate rose by 15-40 %. The cost is for a task that posts transfers one
+    /// after another without waiting in between (on rxe a completion is often there before
+    /// the future first waits): every other one waits for the end of the turn.
+    pub coalesce: bool,
+    /// How long an engine's core spins for new work before it sleeps (glommio's
+    /// `spin_before_park`; zero: it sleeps at once). A sleeping core takes a cross-thread
+    /// wake-up (an eventfd and a scheduler round, tens of µs in a VM) to see the next command
+    /// from another thread, such as a CUDA-IPC transfer's copies to await.
+    pub spin_before_park: Duration,
+    /// Fail to start when no RDMA device can be opened (`false`: such a core still serves host
+    /// memory and the FILE tier; RDMA calls then fail with a typed error).
+    pub require_nic: bool,
+    /// The FILE tier's queue depth and I/O size.
+    pub file: crate::file::FileConfig,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        let mut connect = ConnectOptions::default();
+        connect.gid_index = 1;
+        EngineConfig {
+            device: None,
+            connect,
+            send_queue_depth: 512,
+            recv_buffers: 64,
+            max_message: 4096,
+            max_connections: 16,
+            signal_interval: 32,
+            post_batch: 64,
+            poll_batch: 32,
+            max_inline: 220,
+            poll_mode: PollMode::Busy,
+            transfer_timeout: Duration::from_secs(30),
+            recv_spin_polls: 50_000,
+            timing: false,
+            coalesce: false,
+            spin_before_park: Duration::from_micros(100),
+            require_nic: true,
+            file: crate::file::FileConfig::default(),
+        }
+    }
+}
+
+impl EngineConfig {
+    /// Device and GID index from `RIXL_RDMA_DEVICE` / `RIXL_GID_INDEX` when set.
+    pub fn from_env() -> Self {
+        let mut c = EngineConfig {
+            device: std::env::var("RIXL_RDMA_DEVICE").ok(),
+            ..Self::default()
+        };
+        if let Some(g) = std::env::var("RIXL_GID_INDEX")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            c.connect.gid_index = g;
+        }
+        c
+    }
+}

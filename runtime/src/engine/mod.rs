@@ -1,0 +1,400 @@
+//! The per-core engine: owns its device context, PD, CQ and queue pairs, and the transfer core
+//! ([`rixl_proto::Core`]) that holds every connection's and transfer's state. Futures poll the core;
+//! a progress task reaps completions and wakes them. Everything here is `!Send` and lock-free: it
+//! lives on one glommio executor. Use [`crate::EngineHandle`] to submit from other threads.
+
+mod config;
+mod nic;
+mod progress;
+mod transfer;
+
+use std::cell::{Cell, RefCell};
+use std::future::poll_fn;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::task::Waker;
+use std::time::Duration;
+
+use rixl_proto::{ConnParams, Core, CoreConfig};
+use rixl_verbs::{
+    AccessFlags, CompletionQueue, Context, DeviceAttributes, Endpoint, ProtectionDomain, QueuePair,
+    QueuePairCapabilities, RegisteredBuffer,
+};
+
+use crate::desc::Region;
+use crate::error::{RuntimeError, TransferError};
+use crate::id::next_engine_id;
+
+pub use config::{EngineConfig, PollMode};
+pub use rixl_proto::{ConnId, EngineCounters, Message, TransferOptions, TransferStats};
+pub use transfer::PreparedTransfer;
+
+use nic::VerbsQueue;
+
+/// How long [`Engine::close_connection`] lets posted work finish before failing the connection.
+pub const CLOSE_GRACE: Duration = Duration::from_secs(1);
+
+/// Send-message slots of the engine's registered message pool.
+const MESSAGE_SLOTS: u32 = 64;
+
+pub(crate) struct Inner {
+    id: u64,
+    cfg: EngineConfig,
+    pd: ProtectionDomain,
+    cq: CompletionQueue,
+    device: DeviceAttributes,
+    /// Every connection's and transfer's state. Field order: dropped after `pd` and `cq` handles
+    /// (queue pairs keep their parents alive), and inside it queue pairs go before the in-flight
+    /// keep-alives release their memory.
+    core: RefCell<Core<VerbsQueue>>,
+    kick: Cell<bool>,
+    /// Empty polls since the last completion or submission.
+    quiet_polls: Cell<u32>,
+    progress_waker: RefCell<Option<Waker>>,
+    shutdown: Cell<bool>,
+    msg_region: Region,
+    msg_free: Rc<RefCell<Vec<u32>>>,
+    msg_waiters: RefCell<Vec<Waker>>,
+}
+
+/// A per-core transfer engine. Cheap to clone (all clones are the same engine); `!Send`.
+#[derive(Clone)]
+pub struct Engine {
+    pub(crate) inner: Rc<Inner>,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("id", &self.inner.id)
+            .field("counters", &self.counters())
+            .finish()
+    }
+}
+
+/// What opening a device gives an engine.
+struct Opened {
+    pd: ProtectionDomain,
+    cq: CompletionQueue,
+    device: DeviceAttributes,
+    messages: RegisteredBuffer,
+}
+
+impl Engine {
+    /// Opens the device and starts the progress task on the current glommio executor. Slow verbs
+    /// (device open, CQ creation, registration) run on the executor's blocking pool.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Verbs`] if the device cannot be opened or resources cannot be created.
+    pub async fn open(cfg: EngineConfig) -> Result<Engine, RuntimeError> {
+        let id = next_engine_id();
+        let c = cfg.clone();
+        let opened = glommio::executor()
+            .spawn_blocking(move || -> Result<_, rixl_verbs::Error> {
+                let ctx = Context::open(c.device.as_deref())?;
+                let device = ctx.query_device()?;
+                let pd = ProtectionDomain::new(&ctx)?;
+                // Room for every connection's full send and receive queues: the CQ can never
+                // overflow, even when a failing connection flushes everything at once.
+                let need = c.max_connections * (c.send_queue_depth + c.recv_buffers) + 64;
+                let cq = CompletionQueue::new(
+                    &ctx,
+                    need.min(device.max_cqe),
+                    c.poll_mode == PollMode::Event,
+                )?;
+                let messages = RegisteredBuffer::new(
+                    &pd,
+                    (c.max_message as usize) * MESSAGE_SLOTS as usize,
+                    AccessFlags::LOCAL_WRITE,
+                )?;
+                Ok(Opened {
+                    pd,
+                    cq,
+                    device,
+                    messages,
+                })
+            })
+            .await?;
+        let capacity_needed = cfg.max_connections * (cfg.send_queue_depth + cfg.recv_buffers);
+        if opened.cq.capacity() < capacity_needed {
+            return Err(RuntimeError::Limit(format!(
+                "device CQ holds {} entries but {} connections x ({} + {}) need {capacity_needed}",
+                opened.cq.capacity(),
+                cfg.max_connections,
+                cfg.send_queue_depth,
+                cfg.recv_buffers
+            )));
+        }
+        let mut core_cfg = CoreConfig::default();
+        core_cfg.post_batch = cfg.post_batch;
+        core_cfg.signal_interval = cfg.signal_interval;
+        core_cfg.coalesce = cfg.coalesce;
+        core_cfg.max_sge_rd = opened.device.max_sge_rd;
+        core_cfg.transfer_timeout = cfg.transfer_timeout;
+        let inner = Rc::new(Inner {
+            id,
+            msg_region: Region::new(opened.messages, id),
+            msg_free: Rc::new(RefCell::new((0..MESSAGE_SLOTS).rev().collect())),
+            msg_waiters: RefCell::new(Vec::new()),
+            pd: opened.pd,
+            cq: opened.cq,
+            device: opened.device,
+            core: RefCell::new(Core::new(core_cfg)),
+            cfg,
+            kick: Cell::new(false),
+            quiet_polls: Cell::new(0),
+            progress_waker: RefCell::new(None),
+            shutdown: Cell::new(false),
+        });
+        glommio::spawn_local(progress::run(Rc::clone(&inner))).detach();
+        tracing::info!(engine = id, device = ?inner.cfg.device, "engine started");
+        Ok(Engine { inner })
+    }
+
+    /// Engine id (also the id of its protection domain's regions).
+    pub fn id(&self) -> u64 {
+        self.inner.id
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.cfg
+    }
+
+    /// A snapshot of the counters.
+    pub fn counters(&self) -> EngineCounters {
+        self.inner.core.borrow().counters()
+    }
+
+    /// Live in-flight slots (including detached ones the NIC has not finished).
+    pub fn inflight(&self) -> usize {
+        self.inner.core.borrow().inflight_len()
+    }
+
+    /// Allocates and registers `len` bytes (page aligned, zeroed) with remote read/write access.
+    /// Registration runs off the core.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Verbs`] if allocation or registration fails.
+    pub async fn register(&self, len: usize) -> Result<Region, RuntimeError> {
+        let pd = self.inner.pd.clone();
+        let buf = glommio::executor()
+            .spawn_blocking(move || RegisteredBuffer::new(&pd, len, AccessFlags::ALL_RDMA))
+            .await?;
+        Ok(Region::new(buf, self.inner.id))
+    }
+
+    /// Registers host memory shared with other engines (multi-rail: one buffer, one registration
+    /// per NIC). Runs off the core.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Verbs`] if registration fails.
+    pub async fn register_shared(
+        &self,
+        mem: Arc<rixl_verbs::HostBuffer>,
+    ) -> Result<Region, RuntimeError> {
+        let pd = self.inner.pd.clone();
+        let reg = glommio::executor()
+            .spawn_blocking(move || {
+                rixl_verbs::SharedRegistration::register(&pd, mem, AccessFlags::ALL_RDMA)
+            })
+            .await?;
+        Ok(Region::shared(reg, self.inner.id))
+    }
+
+    /// Allocates `len` bytes on GPU `ordinal` and registers them with this engine's NIC
+    /// (GPUDirect RDMA: dma-buf first, nvidia-peermem second). Runs off the core.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Gpu`] without CUDA, for a bad ordinal, or when neither registration path
+    /// works.
+    pub async fn register_gpu(&self, ordinal: i32, len: usize) -> Result<Region, RuntimeError> {
+        let pd = self.inner.pd.clone();
+        let reg = glommio::executor()
+            .spawn_blocking(move || {
+                let gpu = rixl_gpudirect::Gpu::open(ordinal)?;
+                let mem = rixl_gpudirect::DeviceMemory::alloc(&gpu, len)?;
+                rixl_gpudirect::GpuRegistration::register(&pd, mem, AccessFlags::ALL_RDMA)
+            })
+            .await?;
+        Ok(Region::gpu(reg, self.inner.id))
+    }
+
+    /// Creates a queue pair for a new connection and returns this side's endpoint, to be sent to
+    /// the peer out of band.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Limit`] past `max_connections`; [`RuntimeError::Verbs`] on verb failures.
+    pub async fn prepare_connection(&self) -> Result<(ConnId, Endpoint), RuntimeError> {
+        let cfg = self.inner.cfg.clone();
+        if self.inner.core.borrow().connections() >= cfg.max_connections as usize {
+            return Err(RuntimeError::Limit(format!(
+                "engine has {} connections (max_connections)",
+                cfg.max_connections
+            )));
+        }
+        let pd = self.inner.pd.clone();
+        let cq = self.inner.cq.clone();
+        let psn = (rand_u32() ^ self.inner.id as u32) & 0x00ff_ffff;
+        let recv_len = (cfg.max_message as usize) * (cfg.recv_buffers as usize);
+        // The device's limits were queried when the engine opened.
+        let max_sge = 16.min(self.inner.device.max_sge);
+        let (qp, ep, recv_buf) = glommio::executor()
+            .spawn_blocking(move || -> Result<_, rixl_verbs::Error> {
+                let mut caps = QueuePairCapabilities::default();
+                caps.max_send_wr = cfg.send_queue_depth;
+                caps.max_recv_wr = cfg.recv_buffers;
+                caps.max_send_sge = max_sge;
+                caps.max_recv_sge = 1;
+                caps.max_inline_data = cfg.max_inline;
+                let qp = match QueuePair::new_rc(&pd, &cq, &cq, caps) {
+                    Ok(qp) => qp,
+                    Err(e) if caps.max_inline_data > 0 => {
+                        tracing::debug!(error = %e, inline = caps.max_inline_data, "queue pair refused inline data; retrying without");
+                        caps.max_inline_data = 0;
+                        QueuePair::new_rc(&pd, &cq, &cq, caps)?
+                    }
+                    Err(e) => return Err(e),
+                };
+                qp.to_init(&cfg.connect)?;
+                let ep = qp.endpoint(&cfg.connect, psn)?;
+                let recv_buf = RegisteredBuffer::new(&pd, recv_len, AccessFlags::LOCAL_WRITE)?;
+                Ok((qp, ep, recv_buf))
+            })
+            .await?;
+        let recv_region = Region::new(recv_buf, self.inner.id);
+        let caps = qp.capabilities();
+        let queue = VerbsQueue::new(Arc::new(qp), psn, recv_region, cfg.max_message);
+        let mut core = self.inner.core.borrow_mut();
+        // Post every receive buffer now (INIT accepts receives).
+        queue.post_receives(core.next_conn_id().0, 0..cfg.recv_buffers)?;
+        let id = core.add_connection(
+            queue,
+            ConnParams {
+                send_queue_depth: caps.max_send_wr,
+                max_send_sge: caps.max_send_sge,
+                max_inline: caps.max_inline_data,
+            },
+        );
+        tracing::debug!(
+            engine = self.inner.id,
+            conn = id.0,
+            qpn = ep.qpn,
+            "connection prepared"
+        );
+        Ok((id, ep))
+    }
+
+    /// Connects a prepared connection to the peer's endpoint (INIT → RTR → RTS, off the core).
+    ///
+    /// # Errors
+    /// [`RuntimeError::UnknownConnection`] or the verbs error of a refused transition.
+    pub async fn complete_connection(
+        &self,
+        conn: ConnId,
+        remote: Endpoint,
+    ) -> Result<(), RuntimeError> {
+        let (qp, psn) = {
+            let core = self.inner.core.borrow();
+            let q = core
+                .queue(conn)
+                .ok_or(RuntimeError::UnknownConnection(conn.0))?;
+            (Arc::clone(&q.qp), q.psn)
+        };
+        let opts = self.inner.cfg.connect;
+        let q = Arc::clone(&qp);
+        glommio::executor()
+            .spawn_blocking(move || -> Result<(), rixl_verbs::Error> {
+                q.to_rtr(&remote, &opts)?;
+                q.to_rts(psn, &opts)
+            })
+            .await?;
+        self.inner
+            .core
+            .borrow_mut()
+            .connected(conn, u64::from(qp.max_message_size()));
+        tracing::debug!(engine = self.inner.id, conn = conn.0, "connection ready");
+        Ok(())
+    }
+
+    /// Fails a connection: its QP moves to ERROR, every outstanding transfer on it ends with
+    /// [`TransferError::Flushed`] (or its own earlier error) once the NIC has flushed its work.
+    pub fn abort_connection(&self, conn: ConnId, reason: &str) {
+        self.inner
+            .fail_connection(conn, reason, &TransferError::Flushed);
+    }
+
+    /// Closes a connection gracefully: work already posted gets up to [`CLOSE_GRACE`] to
+    /// complete, then the connection is failed (the QP flushes what is left), and once nothing of
+    /// it is in flight its queue pair is destroyed.
+    pub async fn close_connection(&self, conn: ConnId) {
+        let drained = futures_lite::future::or(
+            async {
+                self.wait_idle(conn).await;
+                true
+            },
+            async {
+                glommio::timer::Timer::new(CLOSE_GRACE).await;
+                false
+            },
+        )
+        .await;
+        if !drained {
+            tracing::debug!(
+                conn = conn.0,
+                "close: work still in flight after the grace period"
+            );
+        }
+        self.abort_connection(conn, "closed");
+        self.wait_idle(conn).await;
+        let queue = self.inner.core.borrow_mut().remove_connection(conn);
+        drop(queue);
+    }
+
+    /// Waits until no work request of `conn` awaits completion.
+    async fn wait_idle(&self, conn: ConnId) {
+        let inner = Rc::clone(&self.inner);
+        poll_fn(|cx| {
+            let r = inner.core.borrow_mut().poll_idle(conn, cx);
+            if r.is_pending() {
+                inner.kick_progress();
+            }
+            r
+        })
+        .await;
+    }
+
+    /// Stops the engine: fails every connection, waits until the NIC has flushed all in-flight
+    /// work, and ends the progress task. Regions stay valid (they belong to their handles).
+    pub async fn shutdown(self) {
+        let conns = self.inner.core.borrow().connection_ids();
+        for c in conns {
+            self.close_connection(c).await;
+        }
+        self.inner.shutdown.set(true);
+        self.inner.kick_progress();
+    }
+}
+
+impl Inner {
+    /// Wakes the progress task (work was posted or a connection failed).
+    fn kick_progress(&self) {
+        self.kick.set(true);
+        self.quiet_polls.set(0);
+        if let Some(w) = self.progress_waker.borrow_mut().take() {
+            w.wake();
+        }
+    }
+
+    fn fail_connection(&self, conn: ConnId, reason: &str, err: &TransferError) {
+        self.core.borrow_mut().fail_connection(conn, reason, err);
+        self.kick_progress();
+    }
+}
+
+fn rand_u32() -> u32 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    t.wrapping_mul(2_654_435_761)
+}

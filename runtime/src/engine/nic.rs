@@ -1,0 +1,140 @@
+//! The core's traits over verbs: a connection's queue pair with its batch and receive buffers,
+//! the engine's completion queue, and what an in-flight slot keeps alive.
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use rixl_proto::{Completion, CompletionSource, SendFlags, SendOp, SendQueue, Sge};
+use rixl_verbs::{
+    CompletionQueue, OwnedRegistration, QueuePair, RecvBatch, SendBatch, WorkCompletion,
+};
+use smallvec::SmallVec;
+
+use crate::desc::Region;
+
+/// What a transfer's slot keeps alive until the NIC is done with it.
+pub(crate) struct KeepAlive {
+    pub regions: SmallVec<[Region; 2]>,
+    /// Held only to be dropped (returning the slot to the pool) with the keep-alive.
+    pub _message: Option<MessageSlot>,
+}
+
+/// A slot of the engine's registered send-message pool; returned to the pool on drop.
+pub(crate) struct MessageSlot {
+    pub index: u32,
+    pub free: Rc<RefCell<Vec<u32>>>,
+}
+
+impl Drop for MessageSlot {
+    fn drop(&mut self) {
+        self.free.borrow_mut().push(self.index);
+    }
+}
+
+/// One connection's queue pair as the core drives it.
+pub(crate) struct VerbsQueue {
+    pub qp: Arc<QueuePair>,
+    /// This side's initial packet sequence number (applied when the connection completes).
+    pub psn: u32,
+    batch: SendBatch,
+    recv_region: Region,
+    max_message: u32,
+}
+
+impl VerbsQueue {
+    pub fn new(qp: Arc<QueuePair>, psn: u32, recv_region: Region, max_message: u32) -> Self {
+        VerbsQueue {
+            qp,
+            psn,
+            batch: SendBatch::with_capacity(64, 4),
+            recv_region,
+            max_message,
+        }
+    }
+
+    /// Posts receive buffers `indices` under `conn`'s receive ids.
+    pub fn post_receives(
+        &self,
+        conn: u32,
+        indices: impl Iterator<Item = u32>,
+    ) -> Result<(), rixl_verbs::Error> {
+        let mut r = RecvBatch::default();
+        for i in indices {
+            r.push(rixl_proto::recv_wr_id(conn, i), &[self.recv_sge(i)]);
+        }
+        self.qp.post_recv_in(&mut r, self.recv_region.nic_slice())
+    }
+
+    fn recv_sge(&self, index: u32) -> Sge {
+        Sge {
+            addr: self.recv_region.addr() + u64::from(index * self.max_message),
+            length: self.max_message,
+            lkey: self.recv_region.lkey(),
+        }
+    }
+}
+
+impl SendQueue for VerbsQueue {
+    type Keep = KeepAlive;
+    type Error = rixl_verbs::Error;
+
+    fn qpn(&self) -> u32 {
+        self.qp.qpn()
+    }
+
+    fn push(&mut self, wr_id: u64, op: SendOp, sges: &[Sge], flags: SendFlags) {
+        self.batch.push(wr_id, op, sges, flags);
+    }
+
+    fn post(&mut self, keeps: &[&KeepAlive]) -> Result<(), rixl_verbs::Error> {
+        let regs: SmallVec<[&dyn OwnedRegistration; 4]> = keeps
+            .iter()
+            .flat_map(|k| k.regions.iter().filter_map(Region::registration))
+            .collect();
+        let r = self.qp.post_send_in(&mut self.batch, &regs);
+        self.batch.clear();
+        r
+    }
+
+    fn set_error(&mut self) -> Result<(), rixl_verbs::Error> {
+        self.qp.to_error()
+    }
+
+    fn read_received(&mut self, index: u32, len: u32) -> Vec<u8> {
+        let mut data = vec![0u8; len as usize];
+        let _ = self
+            .recv_region
+            .read_at(u64::from(index * self.max_message), &mut data);
+        data
+    }
+
+    fn repost_recv(&mut self, wr_id: u64, index: u32) -> Result<(), rixl_verbs::Error> {
+        let mut r = RecvBatch::default();
+        r.push(wr_id, &[self.recv_sge(index)]);
+        self.qp.post_recv_in(&mut r, self.recv_region.nic_slice())
+    }
+}
+
+/// The engine's completion queue, polled through a buffer of raw completions.
+pub(crate) struct VerbsCq<'a> {
+    pub cq: &'a CompletionQueue,
+    pub wcs: &'a mut [WorkCompletion],
+}
+
+impl CompletionSource for VerbsCq<'_> {
+    fn poll(&mut self, out: &mut [Completion]) -> usize {
+        let n = out.len().min(self.wcs.len());
+        let got = match self.cq.poll(&mut self.wcs[..n]) {
+            Ok(got) => got,
+            Err(e) => {
+                tracing::error!(error = %e, "polling the CQ failed");
+                0
+            }
+        };
+        for (o, wc) in out.iter_mut().zip(&self.wcs[..got]) {
+            *o = wc.completion();
+        }
+        got
+    }
+}

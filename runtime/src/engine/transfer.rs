@@ -1,0 +1,519 @@
+//! Transfers as futures: READ/WRITE (planned each time or prepared once), SEND and receive. Each
+//! future owns its [`Posting`] and polls the core with it; a [`SlotGuard`] detaches the slot if
+//! the future goes away first, so the in-flight table, not the future, keeps memory alive.
+
+use std::future::poll_fn;
+use std::rc::Rc;
+use std::task::Poll;
+use std::time::{Duration, Instant};
+
+use rixl_proto::{Completion, ConnId, Message, Op, Plan, Posting, RegionInfo, SendOp, Sge};
+use rixl_proto::{TransferOptions, TransferStats};
+use rixl_verbs::WorkCompletion;
+use smallvec::SmallVec;
+use tracing::Instrument;
+
+use super::nic::{KeepAlive, MessageSlot, VerbsCq};
+use super::{Engine, Inner};
+use crate::desc::{LocalDescList, Region, RemoteDescList};
+use crate::error::{InvalidDescriptor, TransferError};
+
+/// Completions a waiting future reaps at once.
+const REAP_NOW_BATCH: usize = 8;
+
+/// A READ or WRITE checked and planned once and posted any number of times with
+/// [`Engine::post`] (NIXL's prepared transfer request): a weight broadcast or a fixed KV layout
+/// re-sent every step skips validation and planning on every post after the first.
+///
+/// It keeps its local regions registered while it lives, and it is bound to the connection it was
+/// prepared for: after that connection fails or is closed, posting it gives
+/// [`TransferError::Connection`]. Like a transfer future, a `post` future may be dropped or
+/// forgotten at any point; its in-flight slot keeps the regions registered until the NIC is done.
+pub struct PreparedTransfer {
+    engine: u64,
+    conn: ConnId,
+    epoch: u64,
+    op: Op,
+    plan: Plan,
+    regions: SmallVec<[Region; 2]>,
+    descriptors: usize,
+}
+
+impl PreparedTransfer {
+    /// The connection it is posted on.
+    pub fn conn(&self) -> ConnId {
+        self.conn
+    }
+
+    /// READ or WRITE.
+    pub fn op(&self) -> Op {
+        self.op
+    }
+
+    /// Bytes each post moves.
+    pub fn bytes(&self) -> u64 {
+        self.plan.bytes
+    }
+
+    /// Work requests each post takes (after merging adjacent descriptors).
+    pub fn work_requests(&self) -> usize {
+        self.plan.wrs.len()
+    }
+}
+
+impl std::fmt::Debug for PreparedTransfer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedTransfer")
+            .field("conn", &self.conn.0)
+            .field("op", &self.op)
+            .field("bytes", &self.plan.bytes)
+            .field("work_requests", &self.plan.wrs.len())
+            .field("descriptors", &self.descriptors)
+            .finish()
+    }
+}
+
+impl Engine {
+    /// RDMA WRITE of `local` to `remote` on `conn`.
+    ///
+    /// # Errors
+    /// See [`TransferError`].
+    pub async fn write(
+        &self,
+        conn: ConnId,
+        local: &LocalDescList,
+        remote: &RemoteDescList,
+    ) -> Result<TransferStats, TransferError> {
+        self.transfer(conn, Op::Write, local, remote, TransferOptions::default())
+            .await
+    }
+
+    /// RDMA READ of `remote` into `local` on `conn`.
+    ///
+    /// # Errors
+    /// See [`TransferError`].
+    pub async fn read(
+        &self,
+        conn: ConnId,
+        local: &LocalDescList,
+        remote: &RemoteDescList,
+    ) -> Result<TransferStats, TransferError> {
+        self.transfer(conn, Op::Read, local, remote, TransferOptions::default())
+            .await
+    }
+
+    /// A READ or WRITE with options. The returned future may be dropped or forgotten at any
+    /// point: the in-flight slot keeps the regions registered until the NIC is done.
+    ///
+    /// # Errors
+    /// See [`TransferError`].
+    pub async fn transfer(
+        &self,
+        conn: ConnId,
+        op: Op,
+        local: &LocalDescList,
+        remote: &RemoteDescList,
+        opts: TransferOptions,
+    ) -> Result<TransferStats, TransferError> {
+        let span = tracing::debug_span!(
+            "transfer",
+            engine = self.inner.id,
+            conn = conn.0,
+            ?op,
+            descriptors = local.len(),
+            bytes = tracing::field::Empty,
+            wrs = tracing::field::Empty
+        );
+        let inner = Rc::clone(&self.inner);
+        // Without a debug subscriber the span is disabled: no `Instrumented` layer (a span
+        // entered and left on every poll, and one more future to move) around the transfer.
+        let transfer = transfer_inner(
+            Rc::clone(&inner),
+            conn,
+            op,
+            local,
+            remote,
+            opts,
+            span.clone(),
+        );
+        let result = if span.is_disabled() {
+            transfer.await
+        } else {
+            transfer.instrument(span.clone()).await
+        };
+        match &result {
+            Ok(st) => {
+                tracing::debug!(parent: &span, total_us = st.total.as_micros() as u64, post_us = st.post.as_micros() as u64, "transfer complete")
+            }
+            Err(e) => tracing::debug!(parent: &span, error = %e, "transfer failed"),
+        }
+        inner.core.borrow_mut().count_result(result.is_ok());
+        result
+    }
+
+    /// Checks and plans a READ or WRITE once, for [`Engine::post`] to post it any number of
+    /// times (see [`PreparedTransfer`]).
+    ///
+    /// # Errors
+    /// The checks of [`Engine::transfer`]: an unknown or failed connection, unregistered or
+    /// foreign regions, descriptors out of range or of mismatched lengths.
+    pub fn prepare(
+        &self,
+        conn: ConnId,
+        op: Op,
+        local: &LocalDescList,
+        remote: &RemoteDescList,
+    ) -> Result<PreparedTransfer, TransferError> {
+        let mut plan = Plan::default();
+        let epoch = check_and_plan(&self.inner, conn, op, local, remote, false, &mut plan)?;
+        Ok(PreparedTransfer {
+            engine: self.inner.id,
+            conn,
+            epoch,
+            op,
+            plan,
+            regions: local.regions().iter().cloned().collect(),
+            descriptors: local.len(),
+        })
+    }
+
+    /// Posts a prepared transfer once more and waits for it, like [`Engine::transfer`] with the
+    /// descriptors it was prepared from.
+    ///
+    /// # Errors
+    /// [`TransferError::Connection`] if its connection failed or is not the one it was prepared
+    /// on (closed, and its id reused), [`TransferError::InvalidDescriptor`] if it belongs to
+    /// another engine; otherwise as [`Engine::transfer`].
+    pub async fn post(
+        &self,
+        prepared: &PreparedTransfer,
+        opts: TransferOptions,
+    ) -> Result<TransferStats, TransferError> {
+        let inner = Rc::clone(&self.inner);
+        let span = tracing::debug_span!(
+            "post",
+            engine = inner.id,
+            conn = prepared.conn.0,
+            op = ?prepared.op,
+            bytes = prepared.plan.bytes,
+            wrs = prepared.plan.wrs.len()
+        );
+        let post = post_prepared(&inner, prepared, &opts);
+        let result = if span.is_disabled() {
+            post.await
+        } else {
+            post.instrument(span.clone()).await
+        };
+        if let Err(e) = &result {
+            tracing::debug!(parent: &span, error = %e, "prepared transfer failed");
+        }
+        inner.core.borrow_mut().count_result(result.is_ok());
+        result
+    }
+
+    /// Sends a small message (at most `max_message` bytes) with SEND (and optional immediate).
+    ///
+    /// # Errors
+    /// [`TransferError::InvalidDescriptor`] if it is too large; otherwise as a transfer.
+    pub async fn send(
+        &self,
+        conn: ConnId,
+        msg: &[u8],
+        imm: Option<u32>,
+    ) -> Result<(), TransferError> {
+        let max = self.inner.cfg.max_message;
+        if msg.len() > max as usize || msg.is_empty() {
+            return Err(TransferError::InvalidDescriptor(
+                InvalidDescriptor::OutOfRange {
+                    index: 0,
+                    offset: 0,
+                    len: msg.len() as u64,
+                    region_len: u64::from(max),
+                },
+            ));
+        }
+        let inner = Rc::clone(&self.inner);
+        let slot = poll_fn(|cx| match inner.msg_free.borrow_mut().pop() {
+            Some(i) => Poll::Ready(MessageSlot {
+                index: i,
+                free: Rc::clone(&inner.msg_free),
+            }),
+            None => {
+                inner.msg_waiters.borrow_mut().push(cx.waker().clone());
+                Poll::Pending
+            }
+        })
+        .await;
+        let off = u64::from(slot.index * max);
+        inner
+            .msg_region
+            .write_at(off, msg)
+            .map_err(|e| TransferError::Post(e.to_string()))?;
+        let sge = Sge {
+            addr: inner.msg_region.addr() + off,
+            length: msg.len() as u32,
+            lkey: inner.msg_region.lkey(),
+        };
+        let op = match imm {
+            Some(imm) => SendOp::SendWithImm { imm },
+            None => SendOp::Send,
+        };
+        let keep = KeepAlive {
+            regions: smallvec::smallvec![inner.msg_region.clone()],
+            _message: Some(slot),
+        };
+        poll_fn(|cx| inner.core.borrow_mut().poll_credits(conn, 1, cx)).await?;
+        let posting = inner.core.borrow_mut().post_single(conn, op, sge, keep);
+        let mut guard = SlotGuard {
+            inner: Rc::clone(&inner),
+            posting,
+        };
+        inner.kick_progress();
+        let r = wait_slot(&mut guard).await;
+        // A freed message slot may unblock a waiting sender.
+        for w in inner.msg_waiters.borrow_mut().drain(..) {
+            w.wake();
+        }
+        r
+    }
+
+    /// Receives the next message (SEND payload or WRITE_WITH_IMM notification) on `conn`.
+    ///
+    /// # Errors
+    /// [`TransferError::Connection`] when the connection failed or is unknown.
+    pub async fn recv(&self, conn: ConnId) -> Result<Message, TransferError> {
+        let inner = Rc::clone(&self.inner);
+        poll_fn(|cx| {
+            let r = inner.core.borrow_mut().poll_recv(conn, cx);
+            if r.is_pending() {
+                inner.kick_progress();
+            }
+            r
+        })
+        .await
+    }
+}
+
+fn since(a: Option<Instant>, b: Option<Instant>) -> Duration {
+    match (a, b) {
+        (Some(a), Some(b)) => b.saturating_duration_since(a),
+        _ => Duration::ZERO,
+    }
+}
+
+/// Detaches a slot when the transfer future goes away before taking its result.
+struct SlotGuard {
+    inner: Rc<Inner>,
+    posting: Posting,
+}
+
+impl Drop for SlotGuard {
+    fn drop(&mut self) {
+        if !self.posting.finished() {
+            let slot = self.posting.slot();
+            let released = self.inner.core.borrow_mut().detach(slot);
+            tracing::debug!(
+                slot = slot.key,
+                released,
+                "transfer future dropped; slot detached"
+            );
+        }
+    }
+}
+
+/// Checks `conn` and the local side of a transfer against this engine and plans it into `plan`.
+/// Returns the connection's epoch (a prepared transfer is bound to it).
+fn check_and_plan(
+    inner: &Inner,
+    conn: ConnId,
+    op: Op,
+    local: &LocalDescList,
+    remote: &RemoteDescList,
+    notify_imm: bool,
+    plan: &mut Plan,
+) -> Result<u64, TransferError> {
+    // Most transfers use one or two regions: no heap allocation for them.
+    let mut regions: SmallVec<[RegionInfo; 4]> = SmallVec::new();
+    for (i, r) in local.regions().iter().enumerate() {
+        let index = || {
+            local
+                .descs()
+                .iter()
+                .position(|d| d.region as usize == i)
+                .unwrap_or(0)
+        };
+        if r.registration().is_none() {
+            return Err(InvalidDescriptor::NotRegistered { index: index() }.into());
+        }
+        if r.engine_id() != inner.id {
+            return Err(InvalidDescriptor::ForeignRegion { index: index() }.into());
+        }
+        regions.push(RegionInfo {
+            addr: r.addr(),
+            len: r.len(),
+            lkey: r.lkey(),
+        });
+    }
+    inner.core.borrow().plan_transfer(
+        conn,
+        op,
+        &regions,
+        local.descs(),
+        &remote.0,
+        notify_imm,
+        plan,
+    )
+}
+
+async fn transfer_inner(
+    inner: Rc<Inner>,
+    conn: ConnId,
+    op: Op,
+    local: &LocalDescList,
+    remote: &RemoteDescList,
+    opts: TransferOptions,
+    span: tracing::Span,
+) -> Result<TransferStats, TransferError> {
+    let clock = || inner.cfg.timing.then(Instant::now);
+    let t0 = clock();
+    let mut plan = inner.core.borrow_mut().take_plan();
+    if let Err(e) = check_and_plan(
+        &inner,
+        conn,
+        op,
+        local,
+        remote,
+        opts.notify_imm.is_some(),
+        &mut plan,
+    ) {
+        inner.core.borrow_mut().recycle_plan(plan);
+        return Err(e);
+    }
+    span.record("bytes", plan.bytes);
+    span.record("wrs", plan.wrs.len());
+    let prepared = clock();
+    let mut guard = post_plan(&inner, conn, op, &plan, local.regions(), &opts).await;
+    let (bytes, work_requests) = (plan.bytes, plan.wrs.len());
+    // The plan goes back to the pool before the wait: concurrent transfers share few plans.
+    inner.core.borrow_mut().recycle_plan(plan);
+    let posted = clock();
+    wait_slot(&mut guard).await?;
+    let mut stats =
+        TransferStats::new(bytes, local.len(), work_requests, guard.posting.doorbells());
+    stats.prepare = since(t0, prepared);
+    stats.post = since(prepared, posted);
+    stats.total = since(t0, clock());
+    Ok(stats)
+}
+
+async fn post_prepared(
+    inner: &Rc<Inner>,
+    p: &PreparedTransfer,
+    opts: &TransferOptions,
+) -> Result<TransferStats, TransferError> {
+    let clock = || inner.cfg.timing.then(Instant::now);
+    let t0 = clock();
+    if p.engine != inner.id {
+        return Err(InvalidDescriptor::ForeignRegion { index: 0 }.into());
+    }
+    inner
+        .core
+        .borrow()
+        .check_epoch(p.conn, p.epoch, p.op, opts.notify_imm.is_some())?;
+    let mut guard = post_plan(inner, p.conn, p.op, &p.plan, &p.regions, opts).await;
+    let posted = clock();
+    wait_slot(&mut guard).await?;
+    let mut stats = TransferStats::new(
+        p.plan.bytes,
+        p.descriptors,
+        p.plan.wrs.len(),
+        guard.posting.doorbells(),
+    );
+    stats.post = since(t0, posted);
+    stats.total = since(t0, clock());
+    Ok(stats)
+}
+
+/// Takes an in-flight slot for `plan` (keeping `regions` registered until the NIC is done) and
+/// posts its work requests as credits allow, or queues them for a coalesced post. A post error
+/// ends the slot's posting: the error is the transfer's result once its posted work has
+/// completed or flushed.
+async fn post_plan(
+    inner: &Rc<Inner>,
+    conn: ConnId,
+    op: Op,
+    plan: &Plan,
+    regions: &[Region],
+    opts: &TransferOptions,
+) -> SlotGuard {
+    let keep = KeepAlive {
+        regions: regions.iter().cloned().collect(),
+        _message: None,
+    };
+    let posting = inner.core.borrow_mut().begin(conn, op, keep, opts);
+    let mut guard = SlotGuard {
+        inner: Rc::clone(inner),
+        posting,
+    };
+    poll_fn(|cx| {
+        let mut core = inner.core.borrow_mut();
+        let rung = guard.posting.doorbells();
+        let r = core.post(&mut guard.posting, plan, cx);
+        let flush = r.is_ready() && core.take_flush_request(conn);
+        drop(core);
+        if guard.posting.doorbells() != rung || (r.is_ready() && !guard.posting.queued()) {
+            inner.kick_progress();
+        }
+        if flush {
+            glommio::spawn_local(flush_queue(Rc::clone(inner), conn)).detach();
+        }
+        r
+    })
+    .await;
+    guard
+}
+
+/// Posts `conn`'s queued small transfers, one doorbell per batch, until the queue is empty.
+async fn flush_queue(inner: Rc<Inner>, conn: ConnId) {
+    // glommio's `spawn_local` runs a new task at once, inside the spawner's poll: without this
+    // yield the flush would post the one transfer just queued. Yielding first puts it behind
+    // the tasks already runnable in this tick, so their transfers share its doorbell.
+    futures_lite::future::yield_now().await;
+    poll_fn(|cx| {
+        let mut core = inner.core.borrow_mut();
+        let rung = core.counters().doorbells;
+        let r = core.flush(conn, cx);
+        let posted = core.counters().doorbells != rung;
+        drop(core);
+        if posted || r.is_ready() {
+            inner.kick_progress();
+        }
+        r
+    })
+    .await;
+}
+
+/// Waits for the slot of `guard` to complete and takes its result. A future that finds its own
+/// completion in the CQ ends without a round trip through the progress task (on a fast device
+/// the completion often arrives before the future first waits); the waker is registered only
+/// after that reap, so such a future does not wake itself.
+async fn wait_slot(guard: &mut SlotGuard) -> Result<(), TransferError> {
+    let inner = Rc::clone(&guard.inner);
+    poll_fn(|cx| {
+        let mut core = inner.core.borrow_mut();
+        if let Poll::Ready(r) = core.try_finish(&mut guard.posting) {
+            return Poll::Ready(r);
+        }
+        let mut wcs = [WorkCompletion::default(); REAP_NOW_BATCH];
+        let mut out = [Completion::success(0, 0); REAP_NOW_BATCH];
+        let mut cq = VerbsCq {
+            cq: &inner.cq,
+            wcs: &mut wcs,
+        };
+        if core.reap(&mut cq, &mut out) > 0 {
+            inner.quiet_polls.set(0);
+        }
+        core.poll_finish(&mut guard.posting, cx)
+    })
+    .await
+}
