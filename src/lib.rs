@@ -5,7 +5,7 @@
 #![forbid(unsafe_code)]
 
 pub mod agent;
-pub mod machine;
+mod transport;
 
 pub use rixl_gpudirect as gpudirect;
 pub use rixl_nvlink as nvlink;

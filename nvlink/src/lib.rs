@@ -8,9 +8,11 @@
 
 pub mod ipc;
 mod kernel;
+pub mod plan;
 
 use nvml_wrapper::enum_wrappers::device::{P2pCapabilitiesIndex, P2pStatus};
 use nvml_wrapper::Nvml;
+use rixl_topology::{GpuLink, Machine, PciGpuLink};
 
 /// Errors of NVML probing.
 #[derive(Debug, thiserror::Error)]
@@ -43,14 +45,62 @@ pub struct PeerLink {
     pub nvlink: bool,
 }
 
+/// One GPU as NVML names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct NvmlGpu {
+    /// NVML index.
+    pub index: u32,
+    /// Product name.
+    pub name: String,
+    /// PCI bus id (`00000000:12:00.0`).
+    pub pci_bus: String,
+}
+
 /// NVML's view of the GPUs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct NvmlInfo {
-    /// (index, name, PCI bus id) per GPU.
-    pub gpus: Vec<(u32, String, String)>,
+    /// Every GPU.
+    pub gpus: Vec<NvmlGpu>,
     /// Every ordered pair of distinct GPUs.
     pub links: Vec<PeerLink>,
+}
+
+impl NvmlInfo {
+    /// The NVLink and PCIe peer-to-peer links, by PCI bus id, for the topology model.
+    pub fn pci_links(&self) -> Vec<PciGpuLink> {
+        let bus = |index: u32| {
+            self.gpus
+                .iter()
+                .find(|g| g.index == index)
+                .map(|g| g.pci_bus.clone())
+        };
+        self.links
+            .iter()
+            .filter_map(|l| {
+                let link = if l.nvlink {
+                    GpuLink::NvLink(1)
+                } else if l.p2p_read {
+                    GpuLink::PciP2p
+                } else {
+                    return None;
+                };
+                Some(PciGpuLink {
+                    from_pci: bus(l.from)?,
+                    to_pci: bus(l.to)?,
+                    link,
+                })
+            })
+            .collect()
+    }
+}
+
+/// This host's machine model: hwloc and sysfs ([`rixl_topology::discover`]) plus NVML's GPU
+/// links when NVML is there.
+pub fn discover_machine() -> Machine {
+    let links = probe().map(|n| n.pci_links()).unwrap_or_default();
+    rixl_topology::discover(&links)
 }
 
 fn query(call: &'static str) -> impl Fn(nvml_wrapper::error::NvmlError) -> Error {
@@ -73,7 +123,11 @@ pub fn probe() -> Result<NvmlInfo, Error> {
         let d = nvml.device_by_index(i).map_err(query("device_by_index"))?;
         let name = d.name().map_err(query("name"))?;
         let bus = d.pci_info().map_err(query("pci_info"))?.bus_id;
-        gpus.push((i, name, bus));
+        gpus.push(NvmlGpu {
+            index: i,
+            name,
+            pci_bus: bus,
+        });
         devs.push(d);
     }
     let mut links = Vec::new();

@@ -89,8 +89,10 @@ pub async fn wait_flag(
     // Checked once; the spin below only loads.
     let (host, off) = region.flag_memory(offset, expected)?;
     if expected.is_at(host, off) {
+        crate::probe::set(crate::probe::Point::FlagAlreadySet, 1);
         return Ok(());
     }
+    crate::probe::set(crate::probe::Point::FlagAlreadySet, 0);
     // The clock starts after the first spins: a flag that arrives quickly costs no clock read.
     let mut start: Option<Instant> = None;
     let mut spins = 0u32;

@@ -12,6 +12,8 @@ pub mod handle;
 mod id;
 pub mod join;
 pub mod preflight;
+pub mod probe;
+pub mod rails;
 
 pub use desc::{LocalDesc, LocalDescList, Op, Region, RemoteDesc, RemoteDescList};
 pub use engine::{
@@ -25,3 +27,4 @@ pub use file::{
 pub use flag::{wait_flag, Flag};
 pub use handle::{available_cpus, DeviceCopy, EngineHandle, EnginePool, DEFAULT_IO_MEMORY};
 pub use join::join_all;
+pub use rails::{PreparedPart, RailKeys, RailPart, RailSlice, Rails, STRIPE_MIN, STRIPE_SLICE};

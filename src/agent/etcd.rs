@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::{lock, AgentError, Inner};
+use super::{AgentError, Inner};
 
 const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
 
@@ -307,7 +307,7 @@ fn apply(agent: &super::Agent, own: &str, kv: &Value, delete: bool) {
     let peer = key.rsplit('/').next().unwrap_or_default().to_string();
     if delete {
         tracing::info!(agent = %agent.inner.name, %peer, "etcd: peer left; invalidating");
-        let known = lock(&agent.inner.peers).contains_key(&peer);
+        let known = agent.inner.knows(&peer);
         if known {
             futures_lite::future::block_on(agent.invalidate_remote(&peer));
         }

@@ -10,27 +10,15 @@ use std::time::Duration;
 
 use futures_lite::future::block_on;
 
-use super::{lock, AgentError, Inner};
+use super::snapshot::lock;
+use super::{AgentError, Inner};
 use crate::runtime::ConnId;
 use crate::verbs::Endpoint;
 
 const MAX_LINE: usize = 256 << 20;
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
 fn unhex(s: &str) -> Result<Vec<u8>, AgentError> {
-    if !s.len().is_multiple_of(2) {
-        return Err(AgentError::SideChannel("odd hex length".into()));
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| {
-            u8::from_str_radix(&s[i..i + 2], 16)
-                .map_err(|e| AgentError::SideChannel(format!("bad hex: {e}")))
-        })
-        .collect()
+    hex::decode(s).map_err(|e| AgentError::SideChannel(format!("bad hex: {e}")))
 }
 
 fn sc(e: impl std::fmt::Display) -> AgentError {
@@ -93,9 +81,9 @@ fn serve(inner: &Arc<Inner>, stream: TcpStream) -> Result<(), AgentError> {
     let line = read_line(&mut r)?;
     let f: Vec<&str> = line.split(' ').collect();
     let reply = match f.as_slice() {
-        ["MD", requester] => hex(&inner.metadata_for(requester).encode()?),
+        ["MD", requester] => hex::encode(inner.metadata_for(requester).encode()?),
         ["CONNECT", requester, ep] => match accept_connection(inner, requester, ep, 0) {
-            Ok(mine) => hex(&mine.to_bytes()),
+            Ok(mine) => hex::encode(mine.to_bytes()),
             Err(e) => format!("ERR {e}"),
         },
         ["CONNECT", requester, ep, rail] => match rail
@@ -103,7 +91,7 @@ fn serve(inner: &Arc<Inner>, stream: TcpStream) -> Result<(), AgentError> {
             .map_err(|_| AgentError::SideChannel("bad rail".into()))
             .and_then(|rail| accept_connection(inner, requester, ep, rail))
         {
-            Ok(mine) => hex(&mine.to_bytes()),
+            Ok(mine) => hex::encode(mine.to_bytes()),
             Err(e) => format!("ERR {e}"),
         },
         _ => "ERR unknown request".into(),
@@ -119,18 +107,14 @@ fn accept_connection(
     ep: &str,
     rail: usize,
 ) -> Result<Endpoint, AgentError> {
-    if rail > inner.rail_engines.len() {
+    if rail >= inner.rails.len() {
         return Err(AgentError::SideChannel(format!("no rail {rail} here")));
     }
-    let engine = inner.rail_engine(rail).clone();
+    let engine = inner.rails.engine(rail).clone();
     let theirs = Endpoint::from_bytes(&unhex(ep)?).map_err(sc)?;
     let (conn, mine) = block_on(engine.prepare_connection())?;
     block_on(engine.complete_connection(conn, theirs))?;
-    let old = lock(&inner.peers)
-        .entry(requester.to_string())
-        .or_default()
-        .set_conn(rail, conn);
-    if let Some(old) = old {
+    if let Some(old) = inner.set_conn(requester, rail, conn) {
         block_on(engine.close_connection(old));
     }
     if rail == 0 {
@@ -167,12 +151,11 @@ pub(super) async fn ensure_rail(
     rail: usize,
 ) -> Result<ConnId, AgentError> {
     let addr = {
-        let peers = lock(&inner.peers);
+        let peers = inner.peers.load();
         let p = peers
             .get(peer)
             .ok_or_else(|| AgentError::UnknownPeer(peer.to_string()))?;
-        let existing = p.conn(rail);
-        if let Some(c) = existing {
+        if let Some(c) = p.conn(rail) {
             return Ok(c);
         }
         p.metadata
@@ -183,11 +166,17 @@ pub(super) async fn ensure_rail(
                 AgentError::SideChannel(format!("peer {peer} has no side-channel address"))
             })?
     };
-    let engine = inner.rail_engine(rail).clone();
+    let engine = inner.rails.engine(rail).clone();
     let (conn, mine) = engine.prepare_connection().await?;
     let s = connect(&addr)?;
     let mut w = s.try_clone().map_err(sc)?;
-    writeln!(w, "CONNECT {} {} {rail}", inner.name, hex(&mine.to_bytes())).map_err(sc)?;
+    writeln!(
+        w,
+        "CONNECT {} {} {rail}",
+        inner.name,
+        hex::encode(mine.to_bytes())
+    )
+    .map_err(sc)?;
     let line = read_line(&mut BufReader::new(s))?;
     if let Some(e) = line.strip_prefix("ERR ") {
         engine.close_connection(conn).await;
@@ -197,10 +186,7 @@ pub(super) async fn ensure_rail(
     }
     let theirs = Endpoint::from_bytes(&unhex(&line)?).map_err(sc)?;
     engine.complete_connection(conn, theirs).await?;
-    lock(&inner.peers)
-        .entry(peer.to_string())
-        .or_default()
-        .set_conn(rail, conn);
+    inner.set_conn(peer, rail, conn);
     if rail == 0 {
         inner.spawn_receiver(peer.to_string(), conn);
     }

@@ -2,7 +2,8 @@
 //!
 //! - [`Machine`]: NUMA nodes, PCI bridges, GPUs, RDMA NICs and GPU-GPU links, read from hwloc
 //!   ([`hwloc::live`], or [`hwloc::from_xml_file`] for other machines' exports) plus sysfs for
-//!   software RDMA devices; NVML's GPU links are added by the caller ([`Machine::add_gpu_link`]).
+//!   software RDMA devices; GPU links found by NVML are added by PCI bus id ([`discover`],
+//!   [`Machine::add_pci_gpu_links`]).
 //! - [`Machine::relation`]: the PCI relationship of two devices (`nvidia-smi topo -m`'s legend).
 //! - [`Machine::choose_path`]: local copy, CUDA IPC, GPUDirect RDMA or host-staged RDMA, as a
 //!   pure function of the model and the two endpoints; [`Machine::rails`] and [`stripe`] for
@@ -11,11 +12,13 @@
 //! Anything missing (no hwloc I/O discovery, no GPU, no NIC) gives a smaller model, never a panic.
 #![forbid(unsafe_code)]
 
+mod discover;
 pub mod hwloc;
 mod model;
 mod path;
 mod sysfs;
 
+pub use discover::{discover, normalize_pci, PciGpuLink};
 pub use hwloc::TopologyError;
 pub use model::{Bridge, Gpu, GpuLink, Machine, Nic, Numa, PciPlace, Relation};
 pub use path::{stripe, MemoryLocation, Path, Place, Rail, Slice, GDR_MAX_RELATION};

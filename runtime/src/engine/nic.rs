@@ -12,6 +12,7 @@ use rixl_verbs::{
 use smallvec::SmallVec;
 
 use crate::desc::Region;
+use crate::probe::{self, Delay, Point};
 
 /// What a transfer's slot keeps alive until the NIC is done with it.
 pub(crate) struct KeepAlive {
@@ -84,6 +85,9 @@ impl SendQueue for VerbsQueue {
     }
 
     fn push(&mut self, wr_id: u64, op: SendOp, sges: &[Sge], flags: SendFlags) {
+        if self.batch.is_empty() {
+            probe::stamp(Point::Building);
+        }
         self.batch.push(wr_id, op, sges, flags);
     }
 
@@ -92,7 +96,11 @@ impl SendQueue for VerbsQueue {
             .iter()
             .flat_map(|k| k.regions.iter().filter_map(Region::registration))
             .collect();
+        probe::delay(Delay::BeforeDoorbell);
+        probe::stamp(Point::Doorbell);
         let r = self.qp.post_send_in(&mut self.batch, &regs);
+        probe::stamp(Point::Rung);
+        probe::delay(Delay::AfterDoorbell);
         self.batch.clear();
         r
     }

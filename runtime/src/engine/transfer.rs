@@ -17,6 +17,7 @@ use super::nic::{KeepAlive, MessageSlot, VerbsCq};
 use super::{Engine, Inner};
 use crate::desc::{LocalDescList, Region, RemoteDescList};
 use crate::error::{InvalidDescriptor, TransferError};
+use crate::probe::{self, Point};
 
 /// Completions a waiting future reaps at once.
 const REAP_NOW_BATCH: usize = 8;
@@ -115,6 +116,7 @@ impl Engine {
         remote: &RemoteDescList,
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferError> {
+        probe::stamp(Point::Entry);
         let span = tracing::debug_span!(
             "transfer",
             engine = self.inner.id,
@@ -189,6 +191,7 @@ impl Engine {
         prepared: &PreparedTransfer,
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferError> {
+        probe::stamp(Point::Entry);
         let inner = Rc::clone(&self.inner);
         let span = tracing::debug_span!(
             "post",
@@ -451,6 +454,7 @@ async fn post_plan(
         _message: None,
     };
     let posting = inner.core.borrow_mut().begin(conn, op, keep, opts);
+    probe::stamp(Point::SlotOpened);
     let mut guard = SlotGuard {
         inner: Rc::clone(inner),
         posting,
@@ -470,6 +474,7 @@ async fn post_plan(
         r
     })
     .await;
+    probe::stamp(Point::Posted);
     guard
 }
 
@@ -499,7 +504,7 @@ async fn flush_queue(inner: Rc<Inner>, conn: ConnId) {
 /// after that reap, so such a future does not wake itself.
 async fn wait_slot(guard: &mut SlotGuard) -> Result<(), TransferError> {
     let inner = Rc::clone(&guard.inner);
-    poll_fn(|cx| {
+    let r = poll_fn(|cx| {
         let mut core = inner.core.borrow_mut();
         if let Poll::Ready(r) = core.try_finish(&mut guard.posting) {
             return Poll::Ready(r);
@@ -513,7 +518,10 @@ async fn wait_slot(guard: &mut SlotGuard) -> Result<(), TransferError> {
         if core.reap(&mut cq, &mut out) > 0 {
             inner.quiet_polls.set(0);
         }
+        probe::stamp(Point::Reaped);
         core.poll_finish(&mut guard.posting, cx)
     })
-    .await
+    .await;
+    probe::stamp(Point::Finished);
+    r
 }

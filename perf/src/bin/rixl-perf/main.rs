@@ -13,6 +13,7 @@ mod args;
 mod cycles;
 mod file;
 mod oob;
+mod probes;
 mod stats;
 mod sweep;
 
@@ -650,6 +651,7 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                             .send(&format!("PING {size} {total} {}", notify.name()))?;
                         c.oob.expect("GO")?;
                         let payload = vec![0xa5u8; size as usize];
+                        let mut breakdown = probes::Breakdown::default();
                         for i in 0..total {
                             let v = ping_value(i);
                             if notify == Notify::Flag {
@@ -668,10 +670,14 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                                     .await
                                     .map_err(s)?;
                             }
+                            let done = cycles::ticks();
                             if notify == Notify::Flag {
                                 wait_flag(&c.region, flag_at, Flag::Byte(v), PING_TIMEOUT)
                                     .await
                                     .map_err(s)?;
+                                if i >= warm {
+                                    breakdown.record(t, done, cycles::ticks());
+                                }
                             } else {
                                 match c.engine.recv(conn).await.map_err(s)? {
                                     Message::Immediate(_) | Message::Data(..) => {}
@@ -682,6 +688,7 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                                 samples.push(cycles::ticks().wrapping_sub(t));
                             }
                         }
+                        breakdown.print(&sw);
                         // Ping-pong round trips, reported one-way like perftest.
                         rows.push(stats::lat_from(size, &sw.durations(&samples), 2.0));
                         if a.test == Test::WriteLat {

@@ -103,7 +103,7 @@ fn topo(args: &[String]) -> Result<(), String> {
             let f = args.get(i + 1).ok_or("--xml needs a file")?;
             rixl::topology::hwloc::from_xml_file(Path::new(f)).map_err(|e| e.to_string())?
         }
-        None => rixl::machine::discover(),
+        None => rixl::nvlink::discover_machine(),
     };
     print!("{}", topo_report(&m));
     Ok(())

@@ -201,7 +201,7 @@ fn rixl_topo_and_info_never_fail_without_hardware() {
 fn rixl_topo_reads_an_hwloc_export_and_prints_matrix_and_paths() {
     let xml = concat!(
         env!("CARGO_MANIFEST_DIR"),
-        "/topology/tests/fixtures/dgx-a100-like.xml"
+        "/../topology/tests/fixtures/dgx-a100-like.xml"
     );
     let out = Command::new(RIXL)
         .args(["topo", "--xml", xml])

@@ -27,9 +27,28 @@ use std::time::Instant;
 use rixl::gpudirect::{DeviceMemory, Gpu, PinnedHostMemory};
 use rixl::nvlink::ipc::{CopyStream, DeviceCopy, DeviceRange, ImportedMemory, IpcHandle};
 
-mod common;
+use clap::Parser;
 
-use common::{arg, num};
+/// gpu_check's command line.
+#[derive(Debug, Clone, Parser)]
+#[command(about = "rixl's GPU checks (CUDA IPC, block-copy kernel, agent on the IPC path)")]
+struct Opts {
+    /// MiB of GPU memory per buffer.
+    #[arg(long, default_value_t = 256)]
+    mib: usize,
+    /// Timed repetitions of each copy.
+    #[arg(long, default_value_t = 10)]
+    iters: usize,
+    /// GPU ordinal.
+    #[arg(long, default_value_t = 0)]
+    gpu: i32,
+    /// Child process of the CUDA IPC stage: the exported handle (hex).
+    #[arg(long, hide = true)]
+    child: Option<String>,
+    /// Child process of the agent stage (the peer agent).
+    #[arg(long, hide = true)]
+    agent_child: bool,
+}
 
 type BoxError = Box<dyn std::error::Error>;
 
@@ -77,14 +96,11 @@ fn rixl_copies(
     Ok(secs)
 }
 
-fn child(args: &[String]) -> Result<(), BoxError> {
-    let handle = arg(args, "--child").ok_or("--child HEX")?;
-    let bytes: Vec<u8> = (0..handle.len() / 2)
-        .map(|i| u8::from_str_radix(&handle[2 * i..2 * i + 2], 16))
-        .collect::<Result<_, _>>()?;
-    let len = (num(args, "--mib", 256)? as usize) << 20;
-    let iters = num(args, "--iters", 10)? as usize;
-    let gpu = Gpu::open(num(args, "--gpu", 0)? as i32)?;
+fn child(opts: &Opts, handle: &str) -> Result<(), BoxError> {
+    let bytes = hex::decode(handle)?;
+    let len = opts.mib << 20;
+    let iters = opts.iters;
+    let gpu = Gpu::open(opts.gpu)?;
     let imported: Arc<dyn DeviceRange> = Arc::new(ImportedMemory::open(
         &gpu,
         &IpcHandle::from_bytes(&bytes)?,
@@ -169,10 +185,10 @@ fn agent_config() -> rixl::agent::AgentConfig {
 }
 
 /// The peer agent: exports patterned VRAM and serves its metadata until stdin closes.
-fn agent_child(args: &[String]) -> Result<(), BoxError> {
-    let len = (num(args, "--mib", 256)? as usize) << 20;
+fn agent_child(opts: &Opts) -> Result<(), BoxError> {
+    let len = opts.mib << 20;
     let a = rixl::agent::Agent::new("gpu-peer", agent_config())?;
-    let reg = vram(&a, num(args, "--gpu", 0)? as i32, len)?;
+    let reg = vram(&a, opts.gpu, len)?;
     let host: Vec<u8> = (0..len).map(pattern).collect();
     reg.region().write_at(0, &host)?;
     let addr = a.listen("127.0.0.1:0")?;
@@ -697,9 +713,13 @@ fn d2d(
 /// 2. CUDA IPC across processes: a child opens `src`'s handle and copies it through rixl.
 fn ipc(src: &DeviceMemory, len: usize, iters: usize, ordinal: i32) -> Result<(), BoxError> {
     let handle = IpcHandle::export(src)?;
-    let hex: String = handle.0.iter().map(|b| format!("{b:02x}")).collect();
     let out = std::process::Command::new(std::env::current_exe()?)
-        .args(["--child", &hex, "--mib", &(len >> 20).to_string()])
+        .args([
+            "--child",
+            &hex::encode(handle.0),
+            "--mib",
+            &(len >> 20).to_string(),
+        ])
         .args(["--iters", &iters.to_string(), "--gpu", &ordinal.to_string()])
         .output()?;
     print!("{}", String::from_utf8_lossy(&out.stdout));
@@ -776,12 +796,12 @@ fn main() -> Result<(), BoxError> {
         )
         .with_writer(std::io::stderr)
         .try_init();
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if arg(&args, "--child").is_some() {
-        return child(&args);
+    let opts = Opts::parse();
+    if let Some(handle) = &opts.child {
+        return child(&opts, handle);
     }
-    if args.iter().any(|a| a == "--agent-child") {
-        return agent_child(&args);
+    if opts.agent_child {
+        return agent_child(&opts);
     }
     let info = match rixl::gpudirect::probe() {
         Ok(i) => i,
@@ -790,9 +810,7 @@ fn main() -> Result<(), BoxError> {
             return Ok(());
         }
     };
-    let ordinal = num(&args, "--gpu", 0)? as i32;
-    let len = (num(&args, "--mib", 256)? as usize) << 20;
-    let iters = num(&args, "--iters", 10)? as usize;
+    let (ordinal, len, iters) = (opts.gpu, opts.mib << 20, opts.iters);
     println!(
         "gpu_check: CUDA driver {}.{}, {} GPU(s); GPU {ordinal}: {}",
         info.driver_version / 1000,

@@ -1,0 +1,322 @@
+//! What the agent knows of its peers: their metadata (loaded from a blob, the side channel or
+//! etcd), their regions, and the connections made to them. Read on every transfer from an
+//! immutable snapshot (no lock); loading, connecting and invalidating publish a new one.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use crate::nvlink::ipc::IpcHandle;
+use crate::nvlink::plan::{Export, PeerGpus};
+use crate::runtime::{ConnId, RemoteDesc, RemoteDescList};
+
+use super::config::RemoteRef;
+use super::metadata::{AgentMetadata, RegionInfo};
+use super::{sidechannel, Agent, AgentError, Inner};
+
+/// One peer as the agent knows it (a snapshot entry: replaced, never changed in place).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Peer {
+    pub metadata: Option<Arc<AgentMetadata>>,
+    /// Its regions by id.
+    pub regions: HashMap<u64, RegionInfo>,
+    /// Its regions by their rail-0 key (multi-rail striping renames keys per rail).
+    pub by_rkey: HashMap<u32, RegionInfo>,
+    /// Its GPUs and VRAM exports (the same-node CUDA IPC path).
+    pub gpus: PeerGpus,
+    /// Connections by rail (rail 0 also carries notifications).
+    pub conns: Vec<Option<ConnId>>,
+}
+
+/// Peers by name.
+pub(crate) type PeerMap = HashMap<String, Arc<Peer>>;
+
+/// A region reference that names one of the peer's regions, with its remote key: what a
+/// prepared request checks again at every post.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RegionKey {
+    pub region: u64,
+    pub rkey: u32,
+}
+
+/// Remote references resolved against a peer's metadata.
+#[derive(Debug, Clone)]
+pub(crate) struct Resolved {
+    pub remote: RemoteDescList,
+    /// The peer's metadata generation they were resolved against.
+    pub generation: u64,
+}
+
+impl Peer {
+    fn with_metadata(&self, md: AgentMetadata) -> Peer {
+        let regions: HashMap<u64, RegionInfo> = md.regions.iter().map(|r| (r.id, *r)).collect();
+        let exports = md
+            .ipc
+            .iter()
+            .filter_map(|x| {
+                let r = regions.get(&x.region)?;
+                Some(Export {
+                    region: x.region,
+                    addr: r.addr,
+                    len: r.len,
+                    gpu: x.gpu,
+                    handle: IpcHandle(x.handle),
+                })
+            })
+            .collect();
+        Peer {
+            by_rkey: regions.values().map(|r| (r.rkey, *r)).collect(),
+            gpus: PeerGpus {
+                node: md.node.clone(),
+                process: md.process,
+                exports,
+            },
+            regions,
+            metadata: Some(Arc::new(md)),
+            conns: self.conns.clone(),
+        }
+    }
+
+    /// Its metadata's generation, if loaded.
+    pub fn generation(&self) -> Option<u64> {
+        self.metadata.as_ref().map(|m| m.generation)
+    }
+
+    /// The connection on `rail`, if made.
+    pub fn conn(&self, rail: usize) -> Option<ConnId> {
+        self.conns.get(rail).copied().flatten()
+    }
+
+    /// Records the connection on `rail`; returns the one it replaces.
+    pub fn set_conn(&mut self, rail: usize, conn: ConnId) -> Option<ConnId> {
+        if self.conns.len() <= rail {
+            self.conns.resize(rail + 1, None);
+        }
+        self.conns[rail].replace(conn)
+    }
+
+    /// Every connection, with its rail, removed.
+    fn take_conns(&mut self) -> Vec<(usize, ConnId)> {
+        self.conns
+            .drain(..)
+            .enumerate()
+            .filter_map(|(rail, c)| c.map(|c| (rail, c)))
+            .collect()
+    }
+
+    /// Maps region references to remote descriptors, checking ranges; with `keys`, collects the
+    /// region and key of every region they use.
+    fn resolve(
+        &self,
+        name: &str,
+        remote: &[RemoteRef],
+        mut keys: Option<&mut Vec<RegionKey>>,
+    ) -> Result<RemoteDescList, AgentError> {
+        let mut out = Vec::with_capacity(remote.len());
+        for (index, r) in remote.iter().enumerate() {
+            let info = self
+                .regions
+                .get(&r.region)
+                .ok_or_else(|| AgentError::unknown_region(name, r.region))?;
+            match r.offset.checked_add(r.len) {
+                Some(end) if end <= info.len => {}
+                _ => {
+                    return Err(AgentError::RemoteOutOfRange {
+                        index,
+                        region: r.region,
+                        offset: r.offset,
+                        len: r.len,
+                        region_len: info.len,
+                    })
+                }
+            }
+            if let Some(keys) = keys.as_deref_mut() {
+                if !keys.iter().any(|k| k.region == r.region) {
+                    keys.push(RegionKey {
+                        region: r.region,
+                        rkey: info.rkey,
+                    });
+                }
+            }
+            out.push(RemoteDesc {
+                addr: info.addr + r.offset,
+                len: r.len,
+                rkey: info.rkey,
+            });
+        }
+        Ok(RemoteDescList(out))
+    }
+}
+
+impl Agent {
+    /// Loads a peer's metadata blob; returns the peer's name. A blob with a new generation (the
+    /// peer restarted) replaces the old one and drops the old connection.
+    ///
+    /// # Errors
+    /// [`AgentError::Metadata`] for a truncated, forged or incompatible blob.
+    pub fn load_remote_metadata(&self, blob: &[u8]) -> Result<String, AgentError> {
+        let md = AgentMetadata::decode(blob)?;
+        let name = md.name.clone();
+        let stale = self.inner.peers.update(|peers| {
+            let old = peers.get(&name).cloned().unwrap_or_default();
+            let rejoined = old.generation().is_some_and(|g| g != md.generation);
+            let mut p = old.with_metadata(md);
+            let stale = if rejoined { p.take_conns() } else { Vec::new() };
+            peers.insert(name.clone(), Arc::new(p));
+            stale
+        });
+        if !stale.is_empty() {
+            self.inner.ipc.forget_peer(&name);
+        }
+        for (rail, c) in stale {
+            let e = self.inner.rails.engine(rail).clone();
+            futures_lite::future::block_on(e.close_connection(c));
+        }
+        tracing::debug!(agent = %self.inner.name, peer = %name, "loaded remote metadata");
+        Ok(name)
+    }
+
+    /// Forgets a peer and closes its connection.
+    pub async fn invalidate_remote(&self, peer: &str) {
+        let conns = self
+            .inner
+            .peers
+            .update(|peers| peers.remove(peer))
+            .map(|p| Peer::clone(&p).take_conns())
+            .unwrap_or_default();
+        self.inner.ipc.forget_peer(peer);
+        for (rail, c) in conns {
+            self.inner.rails.engine(rail).close_connection(c).await;
+        }
+    }
+
+    /// Serves this agent's metadata and connection set-up on `addr` (a TCP side channel);
+    /// returns the bound address.
+    ///
+    /// # Errors
+    /// [`AgentError::SideChannel`] if it cannot listen.
+    pub fn listen(&self, addr: &str) -> Result<SocketAddr, AgentError> {
+        sidechannel::listen(&self.inner, addr)
+    }
+
+    /// Fetches a peer's metadata from its side channel and loads it; returns the peer's name.
+    ///
+    /// # Errors
+    /// [`AgentError::SideChannel`] or [`AgentError::Metadata`].
+    pub fn fetch_remote_metadata(&self, addr: &str) -> Result<String, AgentError> {
+        let blob = sidechannel::fetch_metadata(&self.inner.name, addr)?;
+        self.load_remote_metadata(&blob)
+    }
+
+    /// Joins a central store: publishes this agent's metadata (regions visible to all) under
+    /// `<namespace>/<name>` on the etcd server at `endpoint` (`host:port`), renewed on a `ttl`
+    /// lease, and watches the namespace: peers that appear (or re-join with new metadata) are
+    /// loaded, peers whose key disappears are invalidated. Call [`Self::listen`] first so the
+    /// published metadata carries the side-channel address.
+    ///
+    /// # Errors
+    /// [`AgentError::SideChannel`] if etcd cannot be reached.
+    pub fn join_etcd(
+        &self,
+        endpoint: &str,
+        namespace: &str,
+        ttl: std::time::Duration,
+    ) -> Result<(), AgentError> {
+        super::etcd::join(&self.inner, self.clone(), endpoint, namespace, ttl)
+    }
+
+    /// Names of the peers whose metadata is loaded.
+    pub fn peers(&self) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .inner
+            .peers
+            .load()
+            .iter()
+            .filter(|(_, p)| p.metadata.is_some())
+            .map(|(n, _)| n.clone())
+            .collect();
+        v.sort();
+        v
+    }
+}
+
+impl Inner {
+    /// `peer` with its metadata loaded.
+    pub(crate) fn peer(&self, peer: &str) -> Result<Arc<Peer>, AgentError> {
+        self.peers
+            .load()
+            .get(peer)
+            .filter(|p| p.metadata.is_some())
+            .cloned()
+            .ok_or_else(|| AgentError::unknown_peer(peer))
+    }
+
+    /// Whether `peer` is known at all (metadata or a connection).
+    pub(crate) fn knows(&self, peer: &str) -> bool {
+        self.peers.load().contains_key(peer)
+    }
+
+    /// Maps a peer's region references to remote descriptors, checking ranges; with `keys`,
+    /// collects the region and key of every region they use (for prepared requests).
+    pub(crate) fn resolve(
+        &self,
+        peer: &str,
+        remote: &[RemoteRef],
+        keys: Option<&mut Vec<RegionKey>>,
+    ) -> Result<Resolved, AgentError> {
+        let guard = self.peers.load();
+        let p = guard
+            .get(peer)
+            .filter(|p| p.metadata.is_some())
+            .ok_or_else(|| AgentError::unknown_peer(peer))?;
+        Ok(Resolved {
+            remote: p.resolve(peer, remote, keys)?,
+            generation: p.generation().unwrap_or(0),
+        })
+    }
+
+    /// The peer's metadata generation.
+    pub(crate) fn peer_generation(&self, peer: &str) -> Result<u64, AgentError> {
+        Ok(self.peer(peer)?.generation().unwrap_or(0))
+    }
+
+    /// Whether the peer's metadata is still `generation` and still grants every region of
+    /// `keys` with the same key.
+    pub(crate) fn check_keys(
+        &self,
+        peer: &str,
+        generation: u64,
+        keys: &[RegionKey],
+    ) -> Result<(), AgentError> {
+        let guard = self.peers.load();
+        let p = guard
+            .get(peer)
+            .ok_or_else(|| AgentError::unknown_peer(peer))?;
+        let same = p.generation() == Some(generation)
+            && keys
+                .iter()
+                .all(|k| p.regions.get(&k.region).map(|r| r.rkey) == Some(k.rkey));
+        if same {
+            Ok(())
+        } else {
+            Err(AgentError::StaleMetadata(peer.to_string()))
+        }
+    }
+
+    /// Rails `peer` has (1 when unknown).
+    pub(crate) fn peer_rails(&self, peer: &Peer) -> usize {
+        peer.metadata
+            .as_ref()
+            .map_or(1, |m| usize::from(m.rails.max(1)))
+    }
+
+    /// Records `conn` as the connection to `peer` on `rail`; returns the one it replaces.
+    pub(crate) fn set_conn(&self, peer: &str, rail: usize, conn: ConnId) -> Option<ConnId> {
+        self.peers.update(|peers| {
+            let mut p = peers.get(peer).map(|p| Peer::clone(p)).unwrap_or_default();
+            let old = p.set_conn(rail, conn);
+            peers.insert(peer.to_string(), Arc::new(p));
+            old
+        })
+    }
+}

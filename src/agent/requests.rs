@@ -1,0 +1,452 @@
+//! Transfers with peers: one-shot READ/WRITE addressed by the peer's region ids, requests
+//! prepared once and posted many times, and index selections of prepared lists. The agent picks
+//! the transport per descriptor pair (CUDA IPC for same-node GPU memory where the topology says
+//! so, RDMA otherwise) and holds none of their logic.
+
+use std::sync::Arc;
+
+use crate::nvlink::plan::IpcPlan;
+use crate::runtime::{
+    LocalDescList, Op, PreparedPart, RailPart, RailSlice, Region, RemoteDesc, RemoteDescList,
+    TransferOptions, TransferStats,
+};
+use crate::transport::{IpcRequest, IpcTransport, RdmaRequest, RdmaTransport, Transport};
+
+use super::config::RemoteRef;
+use super::peers::{Peer, RegionKey};
+use super::registry::{RailMap, Registration};
+use super::{sidechannel, Agent, AgentError};
+
+/// Local descriptors prepared once; requests select entries by index (NIXL's prep + make).
+#[derive(Debug, Clone, Default)]
+pub struct PreparedLocal {
+    list: LocalDescList,
+}
+
+impl PreparedLocal {
+    /// Appends `len` bytes at `offset` of `reg`.
+    pub fn push(&mut self, reg: &Registration, offset: u64, len: u64) {
+        self.list.push(reg.region(), offset, len);
+    }
+
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    fn select(&self, idx: &[usize]) -> Result<LocalDescList, AgentError> {
+        let (descs, regions) = (self.list.descs(), self.list.regions());
+        let mut out = LocalDescList::with_capacity(idx.len());
+        for &i in idx {
+            let d = descs.get(i).ok_or(AgentError::BadIndex {
+                index: i,
+                len: descs.len(),
+            })?;
+            out.push(&regions[d.region as usize], d.offset, d.len);
+        }
+        Ok(out)
+    }
+}
+
+/// A peer's descriptors, resolved and range-checked once against its metadata.
+#[derive(Debug, Clone)]
+pub struct PreparedRemote {
+    peer: String,
+    generation: u64,
+    descs: Vec<RemoteDesc>,
+}
+
+impl PreparedRemote {
+    /// Number of entries.
+    pub fn len(&self) -> usize {
+        self.descs.len()
+    }
+
+    /// Whether it is empty.
+    pub fn is_empty(&self) -> bool {
+        self.descs.is_empty()
+    }
+
+    fn select(&self, idx: &[usize]) -> Result<RemoteDescList, AgentError> {
+        idx.iter()
+            .map(|&i| {
+                self.descs.get(i).copied().ok_or(AgentError::BadIndex {
+                    index: i,
+                    len: self.descs.len(),
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(RemoteDescList)
+    }
+}
+
+/// A transfer with a peer checked and planned once by [`Agent::prepare_request`], posted any
+/// number of times by [`Agent::post_request`] (NIXL's prepared transfer request).
+#[derive(Debug)]
+pub struct TransferRequest {
+    peer: String,
+    op: Op,
+    /// The peer's metadata generation it was made from.
+    generation: u64,
+    /// Every peer region it uses, with its key, checked at each post.
+    keys: Vec<RegionKey>,
+    bytes: u64,
+    descriptors: usize,
+    path: RequestPath,
+}
+
+impl TransferRequest {
+    /// The peer.
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// READ or WRITE.
+    pub fn op(&self) -> Op {
+        self.op
+    }
+
+    /// Bytes moved by one post.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Rails one post uses (0 on the same-node GPU path).
+    pub fn rails(&self) -> usize {
+        match &self.path {
+            RequestPath::Rdma(parts) => parts.len(),
+            RequestPath::Planned { .. } => 0,
+        }
+    }
+}
+
+#[derive(Debug)]
+enum RequestPath {
+    /// RDMA: one prepared transfer per rail it uses (rail 0 alone unless striped).
+    Rdma(Vec<PreparedPart>),
+    /// The same-node GPU path (CUDA IPC copies), planned at each post.
+    Planned {
+        local: LocalDescList,
+        remote: RemoteDescList,
+    },
+}
+
+/// The transport a descriptor pair takes.
+enum Route {
+    Rdma,
+    CudaIpc(IpcPlan),
+}
+
+impl Agent {
+    /// RDMA WRITE of `local` to the peer's regions. Between GPU memory of two processes on one
+    /// node, where the topology says so, the pieces are device copies over CUDA IPC instead.
+    /// Pieces may land in any order: destinations that overlap end up with either piece's bytes
+    /// (or a mix).
+    ///
+    /// # Errors
+    /// [`AgentError::UnknownPeer`], [`AgentError::UnknownRegion`],
+    /// [`AgentError::RemoteOutOfRange`] (before anything is posted), or a transfer error.
+    pub async fn write(
+        &self,
+        peer: &str,
+        local: &LocalDescList,
+        remote: &[RemoteRef],
+    ) -> Result<TransferStats, AgentError> {
+        self.transfer(peer, Op::Write, local, remote, None).await
+    }
+
+    /// RDMA READ of the peer's regions into `local`.
+    ///
+    /// # Errors
+    /// As [`Self::write`].
+    pub async fn read(
+        &self,
+        peer: &str,
+        local: &LocalDescList,
+        remote: &[RemoteRef],
+    ) -> Result<TransferStats, AgentError> {
+        self.transfer(peer, Op::Read, local, remote, None).await
+    }
+
+    /// A READ or WRITE; with `notification`, the peer receives it (from its notification
+    /// stream) after every descriptor of the transfer has completed.
+    ///
+    /// # Errors
+    /// As [`Self::write`].
+    pub async fn transfer(
+        &self,
+        peer: &str,
+        op: Op,
+        local: &LocalDescList,
+        remote: &[RemoteRef],
+        notification: Option<&[u8]>,
+    ) -> Result<TransferStats, AgentError> {
+        let remote = self.inner.resolve(peer, remote, None)?.remote;
+        self.post(peer, op, local.clone(), remote, notification)
+            .await
+    }
+
+    /// The transport of `local` with `remote` in `peer`'s memory: CUDA IPC when every local
+    /// region is GPU memory and the IPC path accepts the pair, RDMA otherwise.
+    fn route(&self, peer: &Peer, local: &LocalDescList, remote: &RemoteDescList) -> Route {
+        if local.is_empty() || !local.regions().iter().all(Region::is_gpu) {
+            return Route::Rdma;
+        }
+        let Some(gpu) = local.regions()[0].gpu_memory() else {
+            return Route::Rdma;
+        };
+        match self
+            .inner
+            .ipc
+            .plan(gpu.gpu().ordinal() as u32, &peer.gpus, &remote.0)
+        {
+            Some(plan) => Route::CudaIpc(plan),
+            None => Route::Rdma,
+        }
+    }
+
+    /// Picks the transport, connects lazily, runs the transfer, then sends the notification
+    /// (after every descriptor completed): the shared tail of [`Self::transfer`] and
+    /// [`Self::transfer_indices`].
+    async fn post(
+        &self,
+        peer: &str,
+        op: Op,
+        local: LocalDescList,
+        remote: RemoteDescList,
+        notification: Option<&[u8]>,
+    ) -> Result<TransferStats, AgentError> {
+        let p = self.inner.peer(peer)?;
+        if let Route::CudaIpc(plan) = self.route(&p, &local, &remote) {
+            let transport = IpcTransport {
+                paths: &self.inner.ipc,
+                engine: self.inner.rails.engine(0),
+            };
+            let request = IpcRequest {
+                peer,
+                plan,
+                local: &local,
+                remote: &remote,
+            };
+            let st = transport.transfer(op, request).await?;
+            if let Some(msg) = notification {
+                let conn = sidechannel::ensure_connection(&self.inner, peer).await?;
+                self.notify_on(conn, msg).await?;
+            }
+            return Ok(st);
+        }
+        let conn = sidechannel::ensure_connection(&self.inner, peer).await?;
+        let descriptors = local.len();
+        let rails = self
+            .inner
+            .rails
+            .stripes(local.total_len(), self.inner.peer_rails(&p));
+        let parts = if rails > 1 {
+            self.rail_parts(peer, &p, &local, &remote, rails).await?
+        } else {
+            vec![RailPart {
+                slice: RailSlice {
+                    rail: 0,
+                    local,
+                    remote,
+                },
+                conn,
+            }]
+        };
+        if rails > 1 {
+            tracing::debug!(agent = %self.inner.name, %peer, rails = parts.len(), "striped transfer");
+        }
+        let transport = RdmaTransport {
+            rails: &self.inner.rails,
+        };
+        let mut st = transport.transfer(op, RdmaRequest { parts }).await?;
+        st.descriptors = descriptors;
+        if let Some(msg) = notification {
+            self.notify_on(conn, msg).await?;
+        }
+        Ok(st)
+    }
+
+    /// A striped transfer's parts on `rails` rails, each on its rail's keys and connection
+    /// (connecting rails on first use).
+    async fn rail_parts(
+        &self,
+        peer: &str,
+        p: &Peer,
+        local: &LocalDescList,
+        remote: &RemoteDescList,
+        rails: usize,
+    ) -> Result<Vec<RailPart>, AgentError> {
+        let slices = {
+            let regs = self.inner.regs.load();
+            let map = RailMap {
+                regs: &regs,
+                peer_by_rkey: &p.by_rkey,
+            };
+            self.inner.rails.split(local, remote, rails, &map)?
+        };
+        let mut parts = Vec::with_capacity(slices.len());
+        for slice in slices {
+            let conn = sidechannel::ensure_rail(&self.inner, peer, slice.rail).await?;
+            parts.push(RailPart { slice, conn });
+        }
+        Ok(parts)
+    }
+
+    /// Checks, resolves and plans a READ or WRITE with `peer` once, for [`Self::post_request`]
+    /// to post any number of times (NIXL's `createXferReq` + `postXferReq`): weights sent to
+    /// the same actor every step, a fixed KV layout, a layer-by-layer stream. Validation,
+    /// region lookup, the path choice, multi-rail striping and work-request planning are done
+    /// here; a post only checks that the peer's metadata is still the one it was made from and
+    /// rings the doorbells. Connections are made here if needed.
+    ///
+    /// The request keeps its local regions registered while it lives. It is bound to the
+    /// peer's metadata and connections as they are now: once the peer re-joins (new metadata),
+    /// drops a region it uses, or its connection fails, posting it gives a typed error
+    /// ([`AgentError::StaleMetadata`], or a [`crate::runtime::TransferError::Connection`]) and
+    /// it must be prepared again.
+    ///
+    /// # Errors
+    /// As [`Self::write`]: [`AgentError::UnknownPeer`], [`AgentError::UnknownRegion`],
+    /// [`AgentError::RemoteOutOfRange`], invalid local descriptors, or a connection error.
+    pub async fn prepare_request(
+        &self,
+        peer: &str,
+        op: Op,
+        local: &LocalDescList,
+        remote: &[RemoteRef],
+    ) -> Result<TransferRequest, AgentError> {
+        let mut keys = Vec::new();
+        let resolved = self.inner.resolve(peer, remote, Some(&mut keys))?;
+        let p = self.inner.peer(peer)?;
+        let path = match self.route(&p, local, &resolved.remote) {
+            Route::CudaIpc(_) => RequestPath::Planned {
+                local: local.clone(),
+                remote: resolved.remote,
+            },
+            Route::Rdma => {
+                let rails = self
+                    .inner
+                    .rails
+                    .stripes(local.total_len(), self.inner.peer_rails(&p));
+                let parts = if rails > 1 {
+                    self.rail_parts(peer, &p, local, &resolved.remote, rails)
+                        .await?
+                } else {
+                    let conn = sidechannel::ensure_connection(&self.inner, peer).await?;
+                    vec![RailPart {
+                        slice: RailSlice {
+                            rail: 0,
+                            local: local.clone(),
+                            remote: resolved.remote,
+                        },
+                        conn,
+                    }]
+                };
+                RequestPath::Rdma(self.inner.rails.prepare(op, parts).await?)
+            }
+        };
+        Ok(TransferRequest {
+            peer: peer.to_string(),
+            op,
+            generation: resolved.generation,
+            keys,
+            bytes: local.total_len(),
+            descriptors: local.len(),
+            path,
+        })
+    }
+
+    /// Posts a prepared request once more and waits for it; with `notification`, the peer
+    /// receives it after every descriptor has completed (as [`Self::transfer`]).
+    ///
+    /// # Errors
+    /// [`AgentError::StaleMetadata`] if the peer's metadata changed since the request was
+    /// prepared (it re-joined, or no longer has a region the request uses: nothing is posted),
+    /// [`AgentError::UnknownPeer`] if the peer was invalidated; otherwise as [`Self::transfer`].
+    pub async fn post_request(
+        &self,
+        req: &TransferRequest,
+        notification: Option<&[u8]>,
+    ) -> Result<TransferStats, AgentError> {
+        self.inner
+            .check_keys(&req.peer, req.generation, &req.keys)?;
+        let parts = match &req.path {
+            RequestPath::Planned { local, remote } => {
+                return self
+                    .post(
+                        &req.peer,
+                        req.op,
+                        local.clone(),
+                        remote.clone(),
+                        notification,
+                    )
+                    .await;
+            }
+            RequestPath::Rdma(parts) => parts,
+        };
+        let mut st = self
+            .inner
+            .rails
+            .post(parts, TransferOptions::default())
+            .await?;
+        st.descriptors = req.descriptors;
+        if let Some(msg) = notification {
+            let conn = sidechannel::ensure_connection(&self.inner, &req.peer).await?;
+            self.notify_on(conn, msg).await?;
+        }
+        Ok(st)
+    }
+
+    /// Resolves and checks `remote` against `peer`'s metadata once, for index-based requests.
+    ///
+    /// # Errors
+    /// As the checks of [`Self::write`].
+    pub fn prepare_remote(
+        &self,
+        peer: &str,
+        remote: &[RemoteRef],
+    ) -> Result<PreparedRemote, AgentError> {
+        let resolved = self.inner.resolve(peer, remote, None)?;
+        Ok(PreparedRemote {
+            peer: peer.to_string(),
+            generation: resolved.generation,
+            descs: resolved.remote.0,
+        })
+    }
+
+    /// A transfer made from index selections of prepared lists (the two selections pair up in
+    /// order and must describe the same total length).
+    ///
+    /// # Errors
+    /// [`AgentError::BadIndex`], [`AgentError::StaleMetadata`], or as [`Self::transfer`].
+    pub async fn transfer_indices(
+        &self,
+        op: Op,
+        local: &PreparedLocal,
+        local_idx: &[usize],
+        remote: &PreparedRemote,
+        remote_idx: &[usize],
+        notification: Option<&[u8]>,
+    ) -> Result<TransferStats, AgentError> {
+        if self.inner.peer_generation(&remote.peer)? != remote.generation {
+            return Err(AgentError::StaleMetadata(remote.peer.clone()));
+        }
+        let l = local.select(local_idx)?;
+        let r = remote.select(remote_idx)?;
+        self.post(&remote.peer, op, l, r, notification).await
+    }
+}
+
+/// A request is made on one thread and posted from any (an agent is shared by a serving
+/// engine's threads): checked when this compiles.
+const _: fn() = || {
+    fn send_sync<T: Send + Sync>() {}
+    send_sync::<TransferRequest>();
+    send_sync::<Arc<TransferRequest>>();
+};
