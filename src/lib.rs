@@ -1,14 +1,24 @@
-//! `rixl`: async data movement for LLM inference clusters.
-//!
-//! The [`agent::Agent`] is what a serving engine programs against; the workspace crates are
-//! re-exported for lower-level use.
+#![doc = include_str!("../README.md")]
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod agent;
 mod transport;
 
-pub use rixl_gpudirect as gpudirect;
-pub use rixl_nvlink as nvlink;
-pub use rixl_runtime as runtime;
-pub use rixl_topology as topology;
+/// The ibverbs layer (`rixl-verbs`): devices, protection domains, memory regions, queue pairs.
 pub use rixl_verbs as verbs;
+
+/// The sans-IO transfer core (`rixl-proto`): planning, the in-flight table, credits, deadlines.
+pub use rixl_proto as proto;
+
+/// The thread-per-core engines (`rixl-runtime`): RDMA transfers as futures, the FILE tier.
+pub use rixl_runtime as runtime;
+
+/// The machine model and path choice (`rixl-topology`).
+pub use rixl_topology as topology;
+
+/// GPU memory and GPUDirect RDMA registration (`rixl-gpudirect`).
+pub use rixl_gpudirect as gpudirect;
+
+/// NVML probing and the CUDA IPC path (`rixl-nvlink`).
+pub use rixl_nvlink as nvlink;

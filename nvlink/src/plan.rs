@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use rixl_gpudirect::Gpu;
+use rixl_proto::desc::Cursor;
 use rixl_proto::{LocalDesc, Op, RemoteDesc};
 use rixl_topology::{Machine, MemoryLocation, Path, Place};
 
@@ -157,14 +158,14 @@ pub fn copies(
     let mut out: Vec<DeviceCopy> = Vec::new();
     // (local region index, remote region id) of the last copy.
     let mut last: Option<(u32, u64)> = None;
-    let (mut li, mut lo, mut ri, mut ro) = (0usize, 0u64, 0usize, 0u64);
-    while li < local.len() && ri < remote.len() {
-        let (l, r) = (local[li], remote[ri]);
-        let n = (l.len - lo).min(r.len - ro);
+    let (mut lc, mut rc) = (Cursor::default(), Cursor::default());
+    while lc.index < local.len() && rc.index < remote.len() {
+        let (l, r) = (local[lc.index], remote[rc.index]);
+        let n = (l.len - lc.offset).min(r.len - rc.offset);
         let at = plan
-            .lookup(r.addr + ro)
+            .lookup(r.addr + rc.offset)
             .ok_or(CopyPlanError::UnknownRegion { region: 0 })?;
-        let (mine_off, their_off) = ((l.offset + lo) as usize, at.offset as usize);
+        let (mine_off, their_off) = ((l.offset + lc.offset) as usize, at.offset as usize);
         let (dst_offset, src_offset) = match op {
             Op::Write => (their_off, mine_off),
             Op::Read => (mine_off, their_off),
@@ -202,16 +203,8 @@ pub fn copies(
             });
             last = Some((l.region, at.region));
         }
-        lo += n;
-        ro += n;
-        if lo == l.len {
-            li += 1;
-            lo = 0;
-        }
-        if ro == r.len {
-            ri += 1;
-            ro = 0;
-        }
+        lc.advance(n, l.len);
+        rc.advance(n, r.len);
     }
     Ok(out)
 }

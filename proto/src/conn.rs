@@ -5,7 +5,7 @@ use std::task::Waker;
 
 use crate::credits::SendCredits;
 use crate::error::TransferError;
-use crate::inflight::SlotId;
+use crate::inflight::{InflightTable, SlotId};
 use crate::stats::Message;
 use crate::wire::{SendOp, Sge};
 
@@ -32,6 +32,14 @@ pub struct ConnParams {
     /// Inline bytes per send request (0: none).
     pub max_inline: u32,
 }
+
+/// Transfers of at most this many work requests are coalesced (see
+/// [`crate::CoreConfig::coalesce`]).
+pub const COALESCE_MAX_WRS: usize = 4;
+
+/// In a coalesced batch, at least every this many requests are signaled, so transfers complete
+/// in small groups rather than all at the end of the batch.
+pub const COALESCE_SIGNAL_INTERVAL: u32 = 8;
 
 /// One queued work request of a coalesced transfer.
 #[derive(Debug, Clone)]
@@ -105,6 +113,16 @@ impl<Q> Connection<Q> {
         match &self.state {
             ConnState::Failed(why) => Err(TransferError::Connection(conn, why.clone())),
             _ => Ok(()),
+        }
+    }
+
+    /// Ends every queued (not yet posted) transfer with `err`.
+    pub fn fail_pending<K>(&mut self, inflight: &mut InflightTable<K>, err: &TransferError) {
+        for q in self.pending.drain(..) {
+            inflight.fail(q.slot, err.clone());
+            if q.last {
+                inflight.finish_posting(q.slot);
+            }
         }
     }
 

@@ -28,13 +28,6 @@ pub fn recv_wr_id(conn: u32, index: u32) -> u64 {
     RECV_BIT | (u64::from(conn) << 16) | u64::from(index)
 }
 
-/// Transfers of at most this many work requests are coalesced (see [`CoreConfig::coalesce`]).
-pub const COALESCE_MAX_WRS: usize = 4;
-
-/// In a coalesced batch, at least every this many requests are signaled, so transfers complete
-/// in small groups rather than all at the end of the batch.
-pub const COALESCE_SIGNAL_INTERVAL: u32 = 8;
-
 /// Plans kept for reuse.
 const KEPT_PLANS: usize = 8;
 /// A plan with more requests or entries than this (a huge descriptor list) is dropped, not kept.
@@ -48,7 +41,7 @@ pub struct CoreConfig {
     pub post_batch: u32,
     /// Signal at least every this many work requests (and the last of every batch).
     pub signal_interval: u32,
-    /// Coalesce small transfers: the first transfer of at most [`COALESCE_MAX_WRS`] requests in
+    /// Coalesce small transfers: the first transfer of at most [`crate::COALESCE_MAX_WRS`] requests in
     /// a progress turn on a connection is posted at once, those that follow it in the same turn
     /// are queued and posted together by a flush ([`Core::flush`]).
     pub coalesce: bool,
@@ -236,7 +229,7 @@ impl<Q: SendQueue> Core<Q> {
     pub fn remove_connection(&mut self, conn: ConnId) -> Option<Q> {
         let c = self.conns.get_mut(conn.0 as usize)?;
         let err = TransferError::Connection(conn.0, "closed".into());
-        crate::posting::fail_pending(c, &mut self.inflight, &err);
+        c.fail_pending(&mut self.inflight, &err);
         let c = self.conns.remove(conn.0 as usize);
         self.routes.retain(|r| r.conn != conn.0);
         Some(c.queue)

@@ -49,6 +49,28 @@ pub enum Op {
     Read,
 }
 
+/// A position in a descriptor list: the descriptor and how far into it. Walks that pair a local
+/// and a remote list piece by piece (planning, striping, device copies) keep one per list.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Cursor {
+    /// The descriptor.
+    pub index: usize,
+    /// Bytes of it already passed.
+    pub offset: u64,
+}
+
+impl Cursor {
+    /// Moves `n` bytes on in the current descriptor, of `len` bytes; at its end, to the start of
+    /// the next one.
+    pub fn advance(&mut self, n: u64, len: u64) {
+        self.offset += n;
+        if self.offset >= len {
+            self.index += 1;
+            self.offset = 0;
+        }
+    }
+}
+
 /// Where a local region lives, as the planner needs it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RegionInfo {

@@ -154,13 +154,13 @@ pub struct FileId(pub u64);
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum FileError {
-    /// The path does not exist ([`FileMode::Open`]) or its directory does not.
+    /// The path does not exist (`FileMode::Open`) or its directory does not.
     #[error("{path}: no such file")]
     NotFound {
         /// The path.
         path: PathBuf,
     },
-    /// [`FileMode::CreateNew`] found an existing file.
+    /// `FileMode::CreateNew` found an existing file.
     #[error("{path}: file exists")]
     Exists {
         /// The path.

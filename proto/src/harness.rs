@@ -10,10 +10,36 @@ use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::marker::PhantomData;
 use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Wake, Waker};
 use std::time::{Duration, Instant};
 
 use crate::queue::{Clock, CompletionSource, SendQueue};
 use crate::wire::{Completion, SendFlags, SendOp, Sge, WcOpcode, WcStatus};
+
+/// Counts the wakes of the [`Waker`] [`counting_waker`] made.
+#[derive(Debug, Default)]
+pub struct WakeCount(AtomicUsize);
+
+impl WakeCount {
+    /// Wakes so far.
+    pub fn get(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+impl Wake for WakeCount {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// A waker that counts its wakes.
+pub fn counting_waker() -> (Arc<WakeCount>, Waker) {
+    let count = Arc::new(WakeCount::default());
+    (Arc::clone(&count), Waker::from(count))
+}
 
 /// A post or state change the fake NIC refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -392,9 +392,6 @@ mod tests {
     use super::*;
     use crate::wire::WcStatus;
     use std::rc::Rc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use std::sync::Arc;
-    use std::task::Wake;
 
     /// A fake completion source: completions queued as (wr_id, status), delivered in order.
     #[derive(Default)]
@@ -416,17 +413,7 @@ mod tests {
         }
     }
 
-    struct CountWake(AtomicUsize);
-    impl Wake for CountWake {
-        fn wake(self: Arc<Self>) {
-            self.0.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-
-    fn waker() -> (Arc<CountWake>, Waker) {
-        let w = Arc::new(CountWake(AtomicUsize::new(0)));
-        (w.clone(), Waker::from(w))
-    }
+    use crate::harness::counting_waker as waker;
 
     #[test]
     fn wr_ids_round_trip() {
@@ -447,10 +434,10 @@ mod tests {
         let mut cq = FakeCq::default();
         cq.complete(id, true);
         assert_eq!(cq.drain(&mut t), vec![Routed::Progress]);
-        assert_eq!(count.0.load(Ordering::SeqCst), 0);
+        assert_eq!(count.get(), 0);
         cq.complete(id, true);
         assert_eq!(cq.drain(&mut t), vec![Routed::Finished]);
-        assert_eq!(count.0.load(Ordering::SeqCst), 1);
+        assert_eq!(count.get(), 1);
         assert_eq!(t.poll(id, &mut cx), Poll::Ready(Ok(())));
         assert!(t.is_empty());
         assert_eq!(t.signaled_outstanding(), 0);
@@ -469,7 +456,7 @@ mod tests {
         cq.complete(id, true);
         assert_eq!(cq.drain(&mut t), vec![Routed::Finished]);
         assert_eq!(t.poll(id, &mut cx), Poll::Ready(Ok(())));
-        assert_eq!(count.0.load(Ordering::SeqCst), 0, "no self-wake");
+        assert_eq!(count.get(), 0, "no self-wake");
         assert!(t.is_empty());
         // A finished slot's result is taken once; the id is then gone.
         assert_eq!(t.try_take(id), Poll::Ready(Err(TransferError::EngineGone)));
@@ -589,7 +576,7 @@ mod tests {
         assert!(t.poll(id, &mut cx).is_pending());
         let err = TransferError::Timeout(std::time::Duration::from_millis(5));
         assert!(t.expire(id, err.clone()));
-        assert_eq!(count.0.load(Ordering::SeqCst), 1, "the future is woken");
+        assert_eq!(count.get(), 1, "the future is woken");
         assert!(!t.expire(id, err.clone()), "expiring twice does nothing");
         assert_eq!(t.poll(id, &mut cx), Poll::Ready(Err(err)));
         assert_eq!(
@@ -674,16 +661,12 @@ mod tests {
         for id in [a, b, c] {
             t.finish_posting(id);
         }
-        assert_eq!(
-            count.0.load(Ordering::SeqCst),
-            0,
-            "nothing completes before the CQE"
-        );
+        assert_eq!(count.get(), 0, "nothing completes before the CQE");
         assert_eq!(t.signaled_outstanding(), 1, "covers are not NIC work");
         let mut cq = FakeCq::default();
         cq.complete(c, true);
         assert_eq!(cq.drain(&mut t), vec![Routed::Finished]);
-        assert_eq!(count.0.load(Ordering::SeqCst), 3, "C, then A and B, woken");
+        assert_eq!(count.get(), 3, "C, then A and B, woken");
         for id in [a, b, c] {
             assert_eq!(t.poll(id, &mut cx), Poll::Ready(Ok(())));
         }

@@ -23,10 +23,8 @@ pub mod queue;
 pub mod stats;
 pub mod wire;
 
-pub use crate::conn::{ConnParams, ConnState};
-pub use crate::core::{
-    recv_wr_id, Activity, Core, CoreConfig, COALESCE_MAX_WRS, COALESCE_SIGNAL_INTERVAL, RECV_BIT,
-};
+pub use crate::conn::{ConnParams, ConnState, COALESCE_MAX_WRS, COALESCE_SIGNAL_INTERVAL};
+pub use crate::core::{recv_wr_id, Activity, Core, CoreConfig, RECV_BIT};
 pub use crate::deadline::{Deadline, Deadlines};
 pub use crate::desc::{LocalDesc, Op, RegionInfo, RemoteDesc, RemoteDescList};
 pub use crate::error::{FileError, FileId, InvalidDescriptor, TransferError};

@@ -5,7 +5,7 @@
 //! Adjacent descriptors are merged: contiguous remote descriptors with the same rkey continue the
 //! same request, and contiguous local pieces with the same lkey extend the same entry.
 
-use crate::desc::{LocalDesc, RegionInfo, RemoteDesc};
+use crate::desc::{Cursor, LocalDesc, RegionInfo, RemoteDesc};
 use crate::error::InvalidDescriptor;
 use crate::wire::Sge;
 
@@ -179,12 +179,11 @@ pub fn plan_into(
         .reserve(remote.len().max(local.len() / max_sge as usize + 1));
     out.sges.reserve(local.len().max(remote.len()));
     out.bytes = total;
-    let (mut li, mut lused) = (0usize, 0u64);
-    let (mut ri, mut rused) = (0usize, 0u64);
+    let (mut lc, mut rc) = (Cursor::default(), Cursor::default());
     let mut open: Option<PlannedWr> = None;
-    while ri < remote.len() {
-        let r = remote[ri];
-        let raddr = r.addr + rused;
+    while rc.index < remote.len() {
+        let r = remote[rc.index];
+        let raddr = r.addr + rc.offset;
         // Close the open request if this remote piece cannot continue it.
         if let Some(wr) = open {
             if wr.remote_addr + wr.bytes != raddr || wr.rkey != r.rkey || wr.bytes == max_msg {
@@ -199,10 +198,12 @@ pub fn plan_into(
             sge_count: 0,
             bytes: 0,
         });
-        let l = local[li];
+        let l = local[lc.index];
         let region = regions[l.region as usize];
-        let laddr = region.addr + l.offset + lused;
-        let take = (r.len - rused).min(l.len - lused).min(max_msg - wr.bytes);
+        let laddr = region.addr + l.offset + lc.offset;
+        let take = (r.len - rc.offset)
+            .min(l.len - lc.offset)
+            .min(max_msg - wr.bytes);
         let extend = wr.sge_count > 0
             && out.sges.last().is_some_and(|s| {
                 s.lkey == region.lkey
@@ -227,16 +228,8 @@ pub fn plan_into(
             continue;
         }
         wr.bytes += take;
-        lused += take;
-        rused += take;
-        if lused == l.len {
-            li += 1;
-            lused = 0;
-        }
-        if rused == r.len {
-            ri += 1;
-            rused = 0;
-        }
+        lc.advance(take, l.len);
+        rc.advance(take, r.len);
     }
     out.wrs.extend(open);
     Ok(())

@@ -7,11 +7,12 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
-use crate::conn::{unknown, Connection, QueuedWr};
-use crate::core::{Core, COALESCE_MAX_WRS, COALESCE_SIGNAL_INTERVAL};
+use crate::conn::{unknown, QueuedWr};
+use crate::conn::{COALESCE_MAX_WRS, COALESCE_SIGNAL_INTERVAL};
+use crate::core::Core;
 use crate::desc::Op;
 use crate::error::TransferError;
-use crate::inflight::{InflightTable, SlotId};
+use crate::inflight::SlotId;
 use crate::queue::SendQueue;
 use crate::stats::{ConnId, TransferOptions};
 use crate::wire::{SendFlags, SendOp, Sge};
@@ -329,7 +330,7 @@ impl<Q: SendQueue> Core<Q> {
                 // The queued transfers keep this error; the others on the connection end
                 // flushed.
                 if let Some(c) = self.conns.get_mut(conn.0 as usize) {
-                    fail_pending(c, &mut self.inflight, &e);
+                    c.fail_pending(&mut self.inflight, &e);
                     c.flush_scheduled = false;
                 }
                 if matches!(e, TransferError::Post(_)) {
@@ -465,19 +466,5 @@ fn op_kind(op: SendOp) -> Op {
     match op {
         SendOp::Read { .. } => Op::Read,
         _ => Op::Write,
-    }
-}
-
-/// Ends every queued (not yet posted) transfer of `c` with `err`.
-pub(crate) fn fail_pending<Q, K>(
-    c: &mut Connection<Q>,
-    inflight: &mut InflightTable<K>,
-    err: &TransferError,
-) {
-    for q in c.pending.drain(..) {
-        inflight.fail(q.slot, err.clone());
-        if q.last {
-            inflight.finish_posting(q.slot);
-        }
     }
 }

@@ -4,12 +4,10 @@
 //! progress loop drive it.
 
 use std::rc::Rc;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
-use std::task::{Context, Poll, Wake, Waker};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
-use rixl_proto::harness::{FakeCq, FakeNic, FakeQueue, VirtualClock};
+use rixl_proto::harness::{counting_waker, FakeCq, FakeNic, FakeQueue, VirtualClock};
 use rixl_proto::inflight::InflightTable;
 use rixl_proto::{
     recv_wr_id, Clock, Completion, ConnId, ConnParams, ConnState, Core, CoreConfig,
@@ -26,18 +24,6 @@ const REGION: RegionInfo = RegionInfo {
     lkey: 7,
 };
 const TIMEOUT: Duration = Duration::from_millis(50);
-
-struct CountWake(AtomicUsize);
-impl Wake for CountWake {
-    fn wake(self: Arc<Self>) {
-        self.0.fetch_add(1, Ordering::SeqCst);
-    }
-}
-
-fn counting_waker() -> (Arc<CountWake>, Waker) {
-    let c = Arc::new(CountWake(AtomicUsize::new(0)));
-    (Arc::clone(&c), Waker::from(c))
-}
 
 struct Fx {
     nic: FakeNic,
@@ -198,9 +184,9 @@ fn a_completion_wakes_the_waiting_transfer_once() {
     assert!(fx.poll(&mut p, &waker).is_pending());
     fx.nic.complete_all();
     fx.reap();
-    assert_eq!(count.0.load(Ordering::SeqCst), 1);
+    assert_eq!(count.get(), 1);
     assert_eq!(fx.poll(&mut p, &waker), Poll::Ready(Ok(())));
-    assert_eq!(count.0.load(Ordering::SeqCst), 1, "no second wake");
+    assert_eq!(count.get(), 1, "no second wake");
 }
 
 #[test]
@@ -210,7 +196,7 @@ fn a_transfer_that_reaps_its_own_completion_does_not_wake_itself() {
     fx.nic.complete_all();
     let (count, waker) = counting_waker();
     assert_eq!(fx.poll(&mut p, &waker), Poll::Ready(Ok(())));
-    assert_eq!(count.0.load(Ordering::SeqCst), 0);
+    assert_eq!(count.get(), 0);
 }
 
 #[test]
@@ -420,10 +406,7 @@ fn credit_exhaustion_posts_what_fits_and_resumes_on_a_signaled_completion() {
         .post(&mut p, &plan, &mut Context::from_waker(&waker))
         .is_pending());
     fx.reap();
-    assert!(
-        count.0.load(Ordering::SeqCst) >= 1,
-        "credits wake the poster"
-    );
+    assert!(count.get() >= 1, "credits wake the poster");
     assert!(fx
         .core
         .post(&mut p, &plan, &mut Context::from_waker(&waker))
@@ -473,7 +456,7 @@ fn poll_credits_waits_for_k_free_slots() {
     assert!(fx.core.poll_credits(fx.conn, 1, &mut cx).is_pending());
     fx.nic.complete(4);
     fx.reap();
-    assert_eq!(count.0.load(Ordering::SeqCst), 1);
+    assert_eq!(count.get(), 1);
     assert_eq!(
         fx.core.poll_credits(fx.conn, 4, &mut cx),
         Poll::Ready(Ok(4))
@@ -860,7 +843,7 @@ fn coalescing_flush_waits_for_credits_for_a_whole_transfer() {
     assert_eq!(fx.nic.doorbells(), 1);
     fx.nic.complete_all();
     fx.reap();
-    assert_eq!(count.0.load(Ordering::SeqCst), 1);
+    assert_eq!(count.get(), 1);
     assert!(fx.core.flush(fx.conn, &mut cx).is_ready());
     assert_eq!(fx.nic.doorbells(), 2);
 }
@@ -1203,7 +1186,7 @@ fn received_messages_are_delivered_in_order_and_their_buffers_reposted() {
     fx.nic
         .inject(recv(fx.conn, 4, 0, WcOpcode::RecvRdmaWithImm, Some(77)));
     fx.reap();
-    assert_eq!(count.0.load(Ordering::SeqCst), 1);
+    assert_eq!(count.get(), 1);
     assert_eq!(
         fx.core.poll_recv(fx.conn, &mut cx),
         Poll::Ready(Ok(Message::Data(vec![3; 5], None)))
@@ -1264,7 +1247,7 @@ fn failing_a_connection_wakes_everything_waiting_on_it() {
     assert!(fx.core.poll_credits(fx.conn, 1, &mut cx).is_pending());
     fx.core
         .fail_connection(fx.conn, "aborted", &TransferError::Flushed);
-    assert_eq!(count.0.load(Ordering::SeqCst), 2);
+    assert_eq!(count.get(), 2);
     assert!(matches!(
         fx.core.poll_credits(fx.conn, 1, &mut cx),
         Poll::Ready(Err(TransferError::Connection(..)))

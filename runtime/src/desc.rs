@@ -6,7 +6,7 @@ use std::sync::Arc;
 use rixl_gpudirect::GpuRegistration;
 use rixl_verbs::{HostBuffer, OwnedRegistration, RegisteredBuffer, SharedRegistration};
 
-pub use rixl_proto::desc::{LocalDesc, Op, RegionInfo, RemoteDesc, RemoteDescList};
+pub use rixl_proto::desc::{Cursor, LocalDesc, Op, RegionInfo, RemoteDesc, RemoteDescList};
 
 /// Memory owned by an engine. Cheap to clone; the memory stays allocated (and registered) until
 /// the last clone is dropped **and** no in-flight transfer uses it (the in-flight table holds
@@ -322,43 +322,26 @@ pub fn split_stream(
         .collect();
     let (ld, regions) = (local.descs(), local.regions());
     let rd = &remote.0;
-    let (mut li, mut loff, mut ri, mut roff) = (0usize, 0u64, 0usize, 0u64);
+    let (mut lc, mut rc) = (Cursor::default(), Cursor::default());
     let mut pos = 0u64;
-    while li < ld.len() && ri < rd.len() {
-        let (l, r) = (ld[li], rd[ri]);
+    while lc.index < ld.len() && rc.index < rd.len() {
+        let (l, r) = (ld[lc.index], rd[rc.index]);
         let in_slice = slice - pos % slice;
-        let n = (l.len - loff).min(r.len - roff).min(in_slice);
-        if n == 0 {
-            // Zero-length descriptors: skip (validation reports them).
-            if l.len == loff {
-                li += 1;
-                loff = 0;
-            }
-            if r.len == roff {
-                ri += 1;
-                roff = 0;
-            }
-            continue;
+        let n = (l.len - lc.offset).min(r.len - rc.offset).min(in_slice);
+        if n > 0 {
+            let part = ((pos / slice) as usize) % parts;
+            let (pl, pr) = &mut out[part];
+            pl.push(&regions[l.region as usize], l.offset + lc.offset, n);
+            pr.0.push(RemoteDesc {
+                addr: r.addr + rc.offset,
+                len: n,
+                rkey: r.rkey,
+            });
+            pos += n;
         }
-        let part = ((pos / slice) as usize) % parts;
-        let (pl, pr) = &mut out[part];
-        pl.push(&regions[l.region as usize], l.offset + loff, n);
-        pr.0.push(RemoteDesc {
-            addr: r.addr + roff,
-            len: n,
-            rkey: r.rkey,
-        });
-        pos += n;
-        loff += n;
-        roff += n;
-        if loff == l.len {
-            li += 1;
-            loff = 0;
-        }
-        if roff == r.len {
-            ri += 1;
-            roff = 0;
-        }
+        // A zero-length descriptor is stepped over (validation reports it).
+        lc.advance(n, l.len);
+        rc.advance(n, r.len);
     }
     out
 }

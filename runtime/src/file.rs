@@ -614,7 +614,7 @@ impl FileStore {
         local: LocalDescList,
         descs: &[FileDesc],
         timeout: Duration,
-    ) -> Result<crate::TransferStats, TransferError> {
+    ) -> Result<rixl_proto::TransferStats, TransferError> {
         let t0 = Instant::now();
         let file = self
             .files
@@ -698,7 +698,7 @@ impl FileStore {
         };
         match futures_lite::future::or(finished, expired).await {
             Some(Ok(None)) => {
-                let mut stats = crate::TransferStats::new(file_total, n_descs, n_ios, 0);
+                let mut stats = rixl_proto::TransferStats::new(file_total, n_descs, n_ios, 0);
                 stats.prepare = prepare;
                 stats.total = t0.elapsed();
                 Ok(stats)

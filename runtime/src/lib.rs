@@ -11,6 +11,7 @@ pub mod gpu;
 pub mod handle;
 mod id;
 pub mod join;
+pub mod pool;
 pub mod preflight;
 pub mod probe;
 pub mod rails;
@@ -25,6 +26,7 @@ pub use file::{
     FileConfig, FileCounters, FileDesc, FileError, FileId, FileInfo, FileMode, FileSpec, FileStore,
 };
 pub use flag::{wait_flag, Flag};
-pub use handle::{available_cpus, DeviceCopy, EngineHandle, EnginePool, DEFAULT_IO_MEMORY};
+pub use handle::{DeviceCopy, EngineHandle};
 pub use join::join_all;
+pub use pool::{available_cpus, EnginePool, DEFAULT_IO_MEMORY};
 pub use rails::{PreparedPart, RailKeys, RailPart, RailSlice, Rails, STRIPE_MIN, STRIPE_SLICE};

@@ -11,12 +11,12 @@
 //! - notifications.
 
 mod config;
-mod error;
+pub(crate) mod error;
 pub mod etcd;
 pub mod metadata;
 mod notify;
 mod peers;
-mod registry;
+pub(crate) mod registry;
 mod requests;
 mod sidechannel;
 mod snapshot;

@@ -22,6 +22,17 @@ pub type Notifications = mpsc::UnboundedReceiver<Notification>;
 impl Agent {
     /// Sends a standalone notification to `peer` (NIXL's `genNotif`).
     ///
+    /// ```no_run
+    /// # async fn f(prefill: &rixl::agent::Agent, decode: &rixl::agent::Agent)
+    /// #     -> Result<(), rixl::agent::AgentError> {
+    /// use futures_lite::StreamExt;
+    /// let mut inbox = decode.notifications().expect("taken once");
+    /// prefill.notify("decode", b"request 17 landed").await?;
+    /// let (from, msg) = inbox.next().await.expect("a notification");
+    /// assert_eq!((from.as_str(), msg.as_slice()), ("prefill", &b"request 17 landed"[..]));
+    /// # Ok(()) }
+    /// ```
+    ///
     /// # Errors
     /// [`AgentError::UnknownPeer`], [`AgentError::NotificationTooLarge`], or a transfer error.
     pub async fn notify(&self, peer: &str, msg: &[u8]) -> Result<(), AgentError> {

@@ -152,6 +152,15 @@ impl Agent {
     /// Loads a peer's metadata blob; returns the peer's name. A blob with a new generation (the
     /// peer restarted) replaces the old one and drops the old connection.
     ///
+    /// ```no_run
+    /// # fn f(prefill: &rixl::agent::Agent, decode: &rixl::agent::Agent)
+    /// #     -> Result<(), rixl::agent::AgentError> {
+    /// // Metadata moved by any means (here: in-process); scoped for the reader.
+    /// let blob = decode.local_metadata("prefill")?;
+    /// assert_eq!(prefill.load_remote_metadata(&blob)?, "decode");
+    /// # Ok(()) }
+    /// ```
+    ///
     /// # Errors
     /// [`AgentError::Metadata`] for a truncated, forged or incompatible blob.
     pub fn load_remote_metadata(&self, blob: &[u8]) -> Result<String, AgentError> {
@@ -200,6 +209,13 @@ impl Agent {
     }
 
     /// Fetches a peer's metadata from its side channel and loads it; returns the peer's name.
+    ///
+    /// ```no_run
+    /// # fn f(prefill: &rixl::agent::Agent) -> Result<(), rixl::agent::AgentError> {
+    /// let peer = prefill.fetch_remote_metadata("decode-host:7000")?;
+    /// println!("{peer} exports its regions to us");
+    /// # Ok(()) }
+    /// ```
     ///
     /// # Errors
     /// [`AgentError::SideChannel`] or [`AgentError::Metadata`].

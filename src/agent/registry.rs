@@ -6,8 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 
 use crate::nvlink::ipc::IpcHandle;
-use crate::runtime::{FileDesc, FileInfo, FileSpec, LocalDescList, Op, Region, TransferError};
-use crate::runtime::{RailKeys, TransferStats};
+use crate::runtime::{FileInfo, FileSpec, LocalDescList, RailKeys, Region, TransferError};
 
 use super::config::Visibility;
 use super::metadata::{AgentMetadata, IpcExport, MemKind, RegionInfo, MAX_RAILS};
@@ -149,61 +148,6 @@ impl Agent {
         })
     }
 
-    /// Copies `local` (DRAM) into the file at `file_descs` (paired in order, same total length).
-    /// Adjacent file descriptors are merged into larger I/Os; writes must be aligned to
-    /// [`FileRegistration::alignment`] after merging.
-    ///
-    /// # Errors
-    /// [`AgentError::Transfer`] with an invalid descriptor or a [`crate::runtime::FileError`]
-    /// (unaligned, out of range, deleted file, no space, ...), or a timeout.
-    pub async fn write_file(
-        &self,
-        local: &LocalDescList,
-        file: &FileRegistration,
-        file_descs: &[FileDesc],
-    ) -> Result<TransferStats, AgentError> {
-        self.transfer_file(Op::Write, local, file, file_descs, None)
-            .await
-    }
-
-    /// Reads the file at `file_descs` into `local` (any alignment).
-    ///
-    /// # Errors
-    /// As [`Self::write_file`], and [`crate::runtime::FileError::ShortRead`] for a file truncated
-    /// after it was registered.
-    pub async fn read_file(
-        &self,
-        local: &LocalDescList,
-        file: &FileRegistration,
-        file_descs: &[FileDesc],
-    ) -> Result<TransferStats, AgentError> {
-        self.transfer_file(Op::Read, local, file, file_descs, None)
-            .await
-    }
-
-    /// A FILE transfer (`Op::Write`: memory to file) with an optional deadline (default: the
-    /// engine's `transfer_timeout`).
-    ///
-    /// # Errors
-    /// As [`Self::write_file`].
-    pub async fn transfer_file(
-        &self,
-        op: Op,
-        local: &LocalDescList,
-        file: &FileRegistration,
-        file_descs: &[FileDesc],
-        timeout: Option<std::time::Duration>,
-    ) -> Result<TransferStats, AgentError> {
-        use crate::transport::{FileRequest, FileTransport, Transport};
-        let request = FileRequest {
-            local,
-            file,
-            descs: file_descs,
-            timeout,
-        };
-        FileTransport.transfer(op, request).await
-    }
-
     /// Registers `len` bytes of memory on GPU `ordinal`, visible per `visibility`, and exports
     /// it for CUDA IPC. With a NIC it is registered for GPUDirect RDMA (dma-buf first,
     /// nvidia-peermem second): peers RDMA-READ/WRITE it directly, with no host bounce. Peers on
@@ -246,6 +190,16 @@ impl Agent {
     }
 
     /// Registers `len` bytes of DRAM (zeroed), visible per `visibility`.
+    ///
+    /// ```no_run
+    /// # async fn f() -> Result<(), rixl::agent::AgentError> {
+    /// use rixl::agent::{Agent, AgentConfig, Visibility};
+    /// let agent = Agent::new("decode", AgentConfig::default())?;
+    /// // The KV cache, visible only to the prefill agent.
+    /// let kv = agent.register(64 << 20, Visibility::Only(vec!["prefill".into()])).await?;
+    /// println!("peers address it as region {}", kv.id());
+    /// # Ok(()) }
+    /// ```
     ///
     /// # Errors
     /// [`AgentError::Runtime`] if registration fails.

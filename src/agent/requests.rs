@@ -7,14 +7,16 @@ use std::sync::Arc;
 
 use crate::nvlink::plan::IpcPlan;
 use crate::runtime::{
-    LocalDescList, Op, PreparedPart, RailPart, RailSlice, Region, RemoteDesc, RemoteDescList,
-    TransferOptions, TransferStats,
+    FileDesc, LocalDescList, Op, PreparedPart, RailPart, RailSlice, Region, RemoteDesc,
+    RemoteDescList, TransferOptions, TransferStats,
 };
-use crate::transport::{IpcRequest, IpcTransport, RdmaRequest, RdmaTransport, Transport};
+use crate::transport::{
+    FileRequest, FileTransport, IpcRequest, IpcTransport, RdmaRequest, RdmaTransport, Transport,
+};
 
 use super::config::RemoteRef;
 use super::peers::{Peer, RegionKey};
-use super::registry::{RailMap, Registration};
+use super::registry::{FileRegistration, RailMap, Registration};
 use super::{sidechannel, Agent, AgentError};
 
 /// Local descriptors prepared once; requests select entries by index (NIXL's prep + make).
@@ -148,6 +150,24 @@ impl Agent {
     /// Pieces may land in any order: destinations that overlap end up with either piece's bytes
     /// (or a mix).
     ///
+    /// ```no_run
+    /// # async fn f(prefill: &rixl::agent::Agent, kv: &rixl::agent::Registration, decode_kv: u64)
+    /// #     -> Result<(), rixl::agent::AgentError> {
+    /// use rixl::agent::RemoteRef;
+    /// use rixl::runtime::LocalDescList;
+    /// const BLOCK: u64 = 16 << 10;
+    /// // Blocks 3 and 7 of our cache into blocks 0 and 1 of decode's region `decode_kv`.
+    /// let mut local = LocalDescList::new();
+    /// let mut remote = Vec::new();
+    /// for (i, src) in [3u64, 7].into_iter().enumerate() {
+    ///     local.push(kv.region(), src * BLOCK, BLOCK);
+    ///     remote.push(RemoteRef { region: decode_kv, offset: i as u64 * BLOCK, len: BLOCK });
+    /// }
+    /// let stats = prefill.write("decode", &local, &remote).await?;
+    /// assert_eq!(stats.bytes, 2 * BLOCK);
+    /// # Ok(()) }
+    /// ```
+    ///
     /// # Errors
     /// [`AgentError::UnknownPeer`], [`AgentError::UnknownRegion`],
     /// [`AgentError::RemoteOutOfRange`] (before anything is posted), or a transfer error.
@@ -161,6 +181,20 @@ impl Agent {
     }
 
     /// RDMA READ of the peer's regions into `local`.
+    ///
+    /// ```no_run
+    /// # async fn f(actor: &rixl::agent::Agent, weights: &rixl::agent::Registration, learner_w: u64)
+    /// #     -> Result<(), rixl::agent::AgentError> {
+    /// use rixl::agent::RemoteRef;
+    /// use rixl::runtime::LocalDescList;
+    /// // Pull the learner's whole weight region into ours.
+    /// let len = weights.region().len();
+    /// let mut local = LocalDescList::new();
+    /// local.push(weights.region(), 0, len);
+    /// let remote = [RemoteRef { region: learner_w, offset: 0, len }];
+    /// actor.read("learner", &local, &remote).await?;
+    /// # Ok(()) }
+    /// ```
     ///
     /// # Errors
     /// As [`Self::write`].
@@ -296,6 +330,60 @@ impl Agent {
             parts.push(RailPart { slice, conn });
         }
         Ok(parts)
+    }
+
+    /// Copies `local` (DRAM) into the file at `file_descs` (paired in order, same total length).
+    /// Adjacent file descriptors are merged into larger I/Os; writes must be aligned to
+    /// [`FileRegistration::alignment`] after merging.
+    ///
+    /// # Errors
+    /// [`AgentError::Transfer`] with an invalid descriptor or a [`crate::runtime::FileError`]
+    /// (unaligned, out of range, deleted file, no space, ...), or a timeout.
+    pub async fn write_file(
+        &self,
+        local: &LocalDescList,
+        file: &FileRegistration,
+        file_descs: &[FileDesc],
+    ) -> Result<TransferStats, AgentError> {
+        self.transfer_file(Op::Write, local, file, file_descs, None)
+            .await
+    }
+
+    /// Reads the file at `file_descs` into `local` (any alignment).
+    ///
+    /// # Errors
+    /// As [`Self::write_file`], and [`crate::runtime::FileError::ShortRead`] for a file truncated
+    /// after it was registered.
+    pub async fn read_file(
+        &self,
+        local: &LocalDescList,
+        file: &FileRegistration,
+        file_descs: &[FileDesc],
+    ) -> Result<TransferStats, AgentError> {
+        self.transfer_file(Op::Read, local, file, file_descs, None)
+            .await
+    }
+
+    /// A FILE transfer (`Op::Write`: memory to file) with an optional deadline (default: the
+    /// engine's `transfer_timeout`).
+    ///
+    /// # Errors
+    /// As [`Self::write_file`].
+    pub async fn transfer_file(
+        &self,
+        op: Op,
+        local: &LocalDescList,
+        file: &FileRegistration,
+        file_descs: &[FileDesc],
+        timeout: Option<std::time::Duration>,
+    ) -> Result<TransferStats, AgentError> {
+        let request = FileRequest {
+            local,
+            file,
+            descs: file_descs,
+            timeout,
+        };
+        FileTransport.transfer(op, request).await
     }
 
     /// Checks, resolves and plans a READ or WRITE with `peer` once, for [`Self::post_request`]

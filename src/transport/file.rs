@@ -1,6 +1,7 @@
 //! The FILE tier: a registered file read or written on the agent's core (O_DIRECT, io_uring).
 
-use crate::agent::{AgentError, FileRegistration};
+use crate::agent::error::AgentError;
+use crate::agent::registry::FileRegistration;
 use crate::runtime::{FileDesc, LocalDescList, Op, TransferStats};
 
 use super::Transport;

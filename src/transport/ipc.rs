@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use crate::agent::AgentError;
+use crate::agent::error::AgentError;
 use crate::nvlink::ipc::DeviceRange;
 use crate::nvlink::plan::{copies, CopyPlanError, IpcPaths, IpcPlan};
 use crate::runtime::{

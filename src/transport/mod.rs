@@ -11,7 +11,7 @@ pub(crate) use file::{FileRequest, FileTransport};
 pub(crate) use ipc::{IpcRequest, IpcTransport};
 pub(crate) use rdma::{RdmaRequest, RdmaTransport};
 
-use crate::agent::AgentError;
+use crate::agent::error::AgentError;
 use crate::runtime::{Op, TransferStats};
 
 /// A way to move one transfer's bytes.

@@ -1,6 +1,6 @@
 //! RDMA over the agent's rails: one part on rail 0, or a striped transfer's parts all at once.
 
-use crate::agent::AgentError;
+use crate::agent::error::AgentError;
 use crate::runtime::{Op, RailPart, Rails, TransferOptions, TransferStats};
 
 use super::Transport;

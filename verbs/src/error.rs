@@ -2,7 +2,7 @@
 
 use std::io;
 
-use crate::wc::WcStatus;
+use rixl_proto::wire::WcStatus;
 
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -558,7 +558,7 @@ impl QueuePair {
     }
 
     /// Safe posting: every local entry must lie inside one of `buffers` under its lkey (checked;
-    /// nothing is posted otherwise). A [`RegisteredBuffer`] deregisters its region before freeing
+    /// nothing is posted otherwise). A [`crate::RegisteredBuffer`] deregisters its region before freeing
     /// its memory, and deregistration fences the NIC, so even if a buffer is dropped before the
     /// request completes the NIC never touches freed memory: the request fails with an error
     /// completion instead. Keep buffers alive until completion to get the data moved.

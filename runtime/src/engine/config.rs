@@ -51,7 +51,7 @@ pub struct EngineConfig {
     /// Busy mode: how many empty polls after the last activity the engine keeps spinning for
     /// awaited receives before it falls back to polling every 200 µs.
     pub recv_spin_polls: u32,
-    /// Measure per-transfer prepare/post/total times in [`TransferStats`] (off by default: it
+    /// Measure per-transfer prepare/post/total times in [`crate::TransferStats`] (off by default: it
     /// reads the clock several times per transfer, which is costly on some clock sources).
     pub timing: bool,
     /// Coalesce small transfers (off by default): the first transfer of at most
