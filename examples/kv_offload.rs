@@ -25,9 +25,7 @@ use futures_lite::future::block_on;
 use rixl::agent::{Agent, AgentConfig, FileRegistration, Registration, Visibility};
 use rixl::runtime::{FileDesc, FileMode, FileSpec, LocalDescList};
 
-mod common;
-
-use common::{arg, num};
+use clap::Parser;
 
 type BoxError = Box<dyn std::error::Error>;
 
@@ -276,19 +274,55 @@ impl Offload {
     }
 }
 
+/// `kv_offload [flags]`.
+#[derive(Debug, Parser)]
+#[command(
+    about = "Tiered KV offload and reload: hot KV cache -> host DRAM -> NVMe file, and back on a prefix hit"
+)]
+struct Opts {
+    /// Directory of the file tier
+    #[arg(long, default_value = "target/kv-offload")]
+    dir: PathBuf,
+    /// Requests
+    #[arg(long, default_value_t = 300)]
+    requests: u64,
+    /// Shared prefixes (chosen with a skew)
+    #[arg(long, default_value_t = 24)]
+    prefixes: u64,
+    /// Blocks per prefix
+    #[arg(long, default_value_t = 16)]
+    prefix_blocks: u64,
+    /// Unique blocks per request
+    #[arg(long, default_value_t = 4)]
+    suffix_blocks: u64,
+    /// Blocks of the hot tier (the KV cache)
+    #[arg(long, default_value_t = 64)]
+    hot_blocks: usize,
+    /// Blocks of the host DRAM tier
+    #[arg(long, default_value_t = 128)]
+    host_blocks: usize,
+    /// Blocks of the file tier
+    #[arg(long, default_value_t = 1024)]
+    file_blocks: usize,
+    /// Tokens per block
+    #[arg(long, default_value_t = 16)]
+    block_tokens: u64,
+    /// KV bytes per token (block bytes = tokens x this, a multiple of 4096)
+    #[arg(long, default_value_t = 16384)]
+    kv_bytes_per_token: u64,
+    /// Prefill rate of the recompute model, tokens per second
+    #[arg(long, default_value_t = 20_000)]
+    prefill_tokens_per_s: u64,
+}
+
 fn main() -> Result<(), BoxError> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let requests = num(&args, "--requests", 300)?;
-    let prefixes = num(&args, "--prefixes", 24)?;
-    let prefix_blocks = num(&args, "--prefix-blocks", 16)?;
-    let suffix_blocks = num(&args, "--suffix-blocks", 4)?;
-    let hot_blocks = num(&args, "--hot-blocks", 64)? as usize;
-    let host_blocks = num(&args, "--host-blocks", 128)? as usize;
-    let file_blocks = num(&args, "--file-blocks", 1024)? as usize;
-    let block_tokens = num(&args, "--block-tokens", 16)?;
-    let per_token = num(&args, "--kv-bytes-per-token", 16384)?;
-    let prefill_rate = num(&args, "--prefill-tokens-per-s", 20_000)? as f64;
-    let dir = PathBuf::from(arg(&args, "--dir").unwrap_or_else(|| "target/kv-offload".into()));
+    let o = Opts::parse();
+    let (requests, prefixes, prefix_blocks, suffix_blocks) =
+        (o.requests, o.prefixes, o.prefix_blocks, o.suffix_blocks);
+    let (hot_blocks, host_blocks, file_blocks) = (o.hot_blocks, o.host_blocks, o.file_blocks);
+    let (block_tokens, per_token) = (o.block_tokens, o.kv_bytes_per_token);
+    let prefill_rate = o.prefill_tokens_per_s as f64;
+    let dir = o.dir;
     let block = block_tokens * per_token;
     if !block.is_multiple_of(4096) {
         return Err("block bytes (tokens x bytes per token) must be a multiple of 4096".into());

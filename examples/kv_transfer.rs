@@ -18,9 +18,7 @@ use futures_lite::StreamExt;
 use rixl::agent::{Agent, AgentConfig, PreparedLocal, RemoteRef, Visibility};
 use rixl::runtime::Op;
 
-mod common;
-
-use common::{arg, num};
+use clap::Parser;
 
 type BoxError = Box<dyn std::error::Error>;
 
@@ -55,7 +53,62 @@ fn fnv(data: &[u8]) -> u64 {
     })
 }
 
-fn prefill(args: &[String], shape: &Shape) -> Result<(), BoxError> {
+/// `kv_transfer prefill|decode [flags]`.
+#[derive(Debug, Parser)]
+#[command(about = "Prefill -> decode KV-block handoff with the agent API")]
+enum Cli {
+    /// Register and fill the KV cache, serve its metadata, free blocks as decode reports them
+    Prefill {
+        /// Side-channel address to listen on
+        #[arg(long, default_value = "127.0.0.1:7000")]
+        listen: String,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Read each request's scattered blocks from prefill, verify them, notify prefill
+    Decode {
+        /// Prefill's side-channel address
+        #[arg(long, default_value = "127.0.0.1:7000")]
+        prefill: String,
+        /// Blocks per request
+        #[arg(long, default_value_t = 64)]
+        per_request: u64,
+        /// Prefill's KV-cache region id
+        #[arg(long, default_value_t = 1)]
+        region: u64,
+        #[command(flatten)]
+        common: Common,
+    },
+}
+
+/// The flags both sides take (the same values on both).
+#[derive(Debug, clap::Args)]
+struct Common {
+    /// Requests
+    #[arg(long, default_value_t = 4)]
+    requests: u64,
+    /// Layers of the KV cache
+    #[arg(long, default_value_t = 32)]
+    layers: u64,
+    /// Blocks per layer and K/V
+    #[arg(long, default_value_t = 256)]
+    blocks: u64,
+    /// Block size in bytes
+    #[arg(long, default_value_t = 16384)]
+    block_size: u64,
+}
+
+impl Common {
+    fn shape(&self) -> Shape {
+        Shape {
+            layers: self.layers,
+            blocks: self.blocks,
+            block: self.block_size,
+        }
+    }
+}
+
+fn prefill(listen: &str, requests: u64, shape: &Shape) -> Result<(), BoxError> {
     let agent = Agent::new("prefill", AgentConfig::default())?;
     let kv = block_on(agent.register(shape.bytes() as usize, Visibility::All))?;
     let mut buf = vec![0u8; shape.block as usize];
@@ -65,12 +118,12 @@ fn prefill(args: &[String], shape: &Shape) -> Result<(), BoxError> {
         }
         kv.region().write_at(off, &buf)?;
     }
-    let addr = agent.listen(&arg(args, "--listen").unwrap_or_else(|| "127.0.0.1:7000".into()))?;
+    let addr = agent.listen(listen)?;
     println!("prefill: KV cache {} layers x 2 x {} blocks x {} B = {} MiB registered (region {}), side channel {addr}",
         shape.layers, shape.blocks, shape.block, shape.bytes() >> 20, kv.id());
     let mut used = vec![true; shape.blocks as usize];
     let mut notifs = agent.notifications().ok_or("notification stream taken")?;
-    for _ in 0..num(args, "--requests", 4)? {
+    for _ in 0..requests {
         let (peer, msg) = block_on(notifs.next()).ok_or("notification stream ended")?;
         let text = String::from_utf8(msg)?;
         // "done <request> <block ids...>": the decode side has the blocks; free them here.
@@ -93,13 +146,18 @@ fn prefill(args: &[String], shape: &Shape) -> Result<(), BoxError> {
     Ok(())
 }
 
-fn decode(args: &[String], shape: &Shape) -> Result<(), BoxError> {
+fn decode(
+    prefill_addr: &str,
+    per_request: u64,
+    region: u64,
+    requests: u64,
+    shape: &Shape,
+) -> Result<(), BoxError> {
     let agent = Agent::new("decode", AgentConfig::default())?;
-    let prefill_addr = arg(args, "--prefill").unwrap_or_else(|| "127.0.0.1:7000".into());
     // The prefill side may still be filling its cache: retry the side channel for a while.
     let t0 = Instant::now();
     let peer = loop {
-        match agent.fetch_remote_metadata(&prefill_addr) {
+        match agent.fetch_remote_metadata(prefill_addr) {
             Ok(p) => break p,
             Err(e) if t0.elapsed().as_secs() < 60 => {
                 let _ = e;
@@ -108,10 +166,6 @@ fn decode(args: &[String], shape: &Shape) -> Result<(), BoxError> {
             Err(e) => return Err(e.into()),
         }
     };
-    let region = arg(args, "--region")
-        .map(|v| v.parse())
-        .transpose()?
-        .unwrap_or(1u64);
     let kv = block_on(agent.register(shape.bytes() as usize, Visibility::All))?;
     // Prepare every (layer, kv, block) once, on both sides.
     let t = Instant::now();
@@ -136,10 +190,9 @@ fn decode(args: &[String], shape: &Shape) -> Result<(), BoxError> {
         remote.len(),
         t.elapsed()
     );
-    let per_request = num(args, "--per-request", 64)?;
     let mut buf = vec![0u8; shape.block as usize];
     let mut expect = vec![0u8; shape.block as usize];
-    for req in 0..num(args, "--requests", 4)? {
+    for req in 0..requests {
         // A request's scattered block ids.
         let ids: Vec<u64> = (0..per_request)
             .map(|i| (req * 101 + i * 37 + 11) % shape.blocks)
@@ -179,15 +232,19 @@ fn decode(args: &[String], shape: &Shape) -> Result<(), BoxError> {
 }
 
 fn main() -> Result<(), BoxError> {
-    let args: Vec<String> = std::env::args().collect();
-    let shape = Shape {
-        layers: num(&args, "--layers", 32)?,
-        blocks: num(&args, "--blocks", 256)?,
-        block: num(&args, "--block-size", 16384)?,
-    };
-    match args.get(1).map(String::as_str) {
-        Some("prefill") => prefill(&args, &shape),
-        Some("decode") => decode(&args, &shape),
-        _ => Err("usage: kv_transfer prefill|decode [flags] (see the file's docs)".into()),
+    match Cli::parse() {
+        Cli::Prefill { listen, common } => prefill(&listen, common.requests, &common.shape()),
+        Cli::Decode {
+            prefill,
+            per_request,
+            region,
+            common,
+        } => decode(
+            &prefill,
+            per_request,
+            region,
+            common.requests,
+            &common.shape(),
+        ),
     }
 }

@@ -18,9 +18,7 @@ use futures_lite::StreamExt;
 use rixl::agent::{Agent, AgentConfig, RemoteRef, Visibility};
 use rixl::runtime::{FileDesc, FileMode, FileSpec, LocalDescList};
 
-mod common;
-
-use common::{arg, num};
+use clap::Parser;
 
 type BoxError = Box<dyn std::error::Error>;
 
@@ -35,15 +33,33 @@ fn parse_nums(s: &str) -> Result<Vec<u64>, BoxError> {
         .collect()
 }
 
+/// `remote_tier [flags]`.
+#[derive(Debug, Parser)]
+#[command(
+    about = "Reach another agent's FILE tier with the agent API only (two agents in one process)"
+)]
+struct Opts {
+    /// Directory of the storage agent's file [default: the temporary directory]
+    #[arg(long)]
+    dir: Option<PathBuf>,
+    /// Blocks in the file
+    #[arg(long, default_value_t = 256)]
+    blocks: u64,
+    /// Block size in bytes
+    #[arg(long, default_value_t = 65536)]
+    block_size: u64,
+    /// Requests
+    #[arg(long, default_value_t = 20)]
+    requests: u64,
+    /// Blocks per request
+    #[arg(long, default_value_t = 8)]
+    per_request: u64,
+}
+
 fn main() -> Result<(), BoxError> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let blocks = num(&args, "--blocks", 256)?;
-    let bs = num(&args, "--block-size", 65536)?;
-    let requests = num(&args, "--requests", 20)?;
-    let per = num(&args, "--per-request", 8)?;
-    let dir = PathBuf::from(
-        arg(&args, "--dir").unwrap_or_else(|| std::env::temp_dir().display().to_string()),
-    );
+    let o = Opts::parse();
+    let (blocks, bs, requests, per) = (o.blocks, o.block_size, o.requests, o.per_request);
+    let dir = o.dir.unwrap_or_else(std::env::temp_dir);
     let ncpu = rixl::runtime::available_cpus().len();
 
     // --- storage node: a file tier, staging DRAM visible only to the reader.

@@ -19,9 +19,7 @@ use futures_lite::StreamExt;
 use rixl::agent::{Agent, AgentConfig, RemoteRef, Visibility};
 use rixl::runtime::{LocalDescList, Op};
 
-mod common;
-
-use common::{arg, num};
+use clap::Parser;
 
 type BoxError = Box<dyn std::error::Error>;
 const CHUNK: u64 = 1 << 20;
@@ -31,15 +29,54 @@ fn weight(v: u64, i: u64) -> u8 {
     (i.wrapping_mul(2_654_435_761) >> 13) as u8 ^ (v as u8).wrapping_mul(37)
 }
 
-fn learner(args: &[String]) -> Result<(), BoxError> {
-    let (actors, versions, bytes) = (
-        num(args, "--actors", 2)?,
-        num(args, "--versions", 3)?,
-        num(args, "--mib", 32)? * CHUNK,
-    );
+/// `weight_stream learner|actor [flags]`.
+#[derive(Debug, Parser)]
+#[command(
+    about = "RL weight streaming with the agent API: a learner publishes weight versions, actors pull them"
+)]
+enum Cli {
+    /// Publish new weight versions and wait until every actor has pulled each one
+    Learner {
+        /// Side-channel address to listen on
+        #[arg(long, default_value = "127.0.0.1:7100")]
+        listen: String,
+        /// Actors to wait for
+        #[arg(long, default_value_t = 2)]
+        actors: u64,
+        #[command(flatten)]
+        common: Common,
+    },
+    /// Pull every version as soon as it is announced and verify it
+    Actor {
+        /// The learner's side-channel address
+        #[arg(long, default_value = "127.0.0.1:7100")]
+        learner: String,
+        /// This actor's agent name
+        #[arg(long, default_value = "actor-0")]
+        name: String,
+        /// The learner's weight region id
+        #[arg(long, default_value_t = 1)]
+        region: u64,
+        #[command(flatten)]
+        common: Common,
+    },
+}
+
+/// The flags both sides take (the same values on both).
+#[derive(Debug, clap::Args)]
+struct Common {
+    /// Weight versions
+    #[arg(long, default_value_t = 3)]
+    versions: u64,
+    /// MiB of weights
+    #[arg(long, default_value_t = 32)]
+    mib: u64,
+}
+
+fn learner(listen: &str, actors: u64, versions: u64, bytes: u64) -> Result<(), BoxError> {
     let agent = Agent::new("learner", AgentConfig::default())?;
     let w = block_on(agent.register(bytes as usize, Visibility::All))?;
-    let addr = agent.listen(&arg(args, "--listen").unwrap_or_else(|| "127.0.0.1:7100".into()))?;
+    let addr = agent.listen(listen)?;
     println!(
         "learner: {} MiB of weights (region {}), side channel {addr}, waiting for {actors} actors",
         bytes >> 20,
@@ -83,15 +120,17 @@ fn learner(args: &[String]) -> Result<(), BoxError> {
     Ok(())
 }
 
-fn actor(args: &[String]) -> Result<(), BoxError> {
-    let name = arg(args, "--name").unwrap_or_else(|| "actor-0".into());
-    let (versions, bytes) = (num(args, "--versions", 3)?, num(args, "--mib", 32)? * CHUNK);
-    let region = num(args, "--region", 1)?;
-    let agent = Agent::new(&name, AgentConfig::default())?;
-    let learner = arg(args, "--learner").unwrap_or_else(|| "127.0.0.1:7100".into());
+fn actor(
+    learner: &str,
+    name: &str,
+    region: u64,
+    versions: u64,
+    bytes: u64,
+) -> Result<(), BoxError> {
+    let agent = Agent::new(name, AgentConfig::default())?;
     let t0 = Instant::now();
     let peer = loop {
-        match agent.fetch_remote_metadata(&learner) {
+        match agent.fetch_remote_metadata(learner) {
             Ok(p) => break p,
             Err(_) if t0.elapsed() < Duration::from_secs(60) => {
                 std::thread::sleep(Duration::from_millis(200))
@@ -147,10 +186,17 @@ fn actor(args: &[String]) -> Result<(), BoxError> {
 }
 
 fn main() -> Result<(), BoxError> {
-    let args: Vec<String> = std::env::args().collect();
-    match args.get(1).map(String::as_str) {
-        Some("learner") => learner(&args),
-        Some("actor") => actor(&args),
-        _ => Err("usage: weight_stream learner|actor [flags] (see the file's docs)".into()),
+    match Cli::parse() {
+        Cli::Learner {
+            listen,
+            actors,
+            common,
+        } => learner(&listen, actors, common.versions, common.mib * CHUNK),
+        Cli::Actor {
+            learner,
+            name,
+            region,
+            common,
+        } => actor(&learner, &name, region, common.versions, common.mib * CHUNK),
     }
 }

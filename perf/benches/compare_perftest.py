@@ -145,6 +145,7 @@ def svg_plot(rows, path):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rixl")
+    ap.add_argument("--baseline", help="a second rixl-perf (an earlier build), measured in the same rounds, alternating with the others")
     ap.add_argument("--out", required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--lat-rounds", type=int, default=7,
@@ -186,12 +187,16 @@ def main():
         res = {"perftest": [], "rixl": []}
         if tuned:
             res["tuned"] = []
+        if a.baseline:
+            res["baseline"] = []
         rounds = a.lat_rounds if test.endswith("_lat") else a.rounds
         for _ in range(rounds):
             for tool in ("perftest", "rixl"):
                 res[tool].append(measure(tool, test, size, iters, pl, a.rixl))
             if tuned:
                 res["tuned"].append(measure("rixl", test, size, iters, pl, a.rixl, tuned))
+            if a.baseline:
+                res["baseline"].append(measure("rixl", test, size, iters, pl, a.baseline))
         key = "bw_avg" if test.endswith("_bw") else "t_typical"
         med = {t: statistics.median(x[key] for x in res[t]) for t in res}
         r = {"test": test, "size": size, "iters": iters, "post_list": pl, "metric": key,
@@ -202,6 +207,10 @@ def main():
             r["rixl_mpps"] = statistics.median(x["msg_rate"] for x in res["rixl"])
         # ratio: rixl over perftest (bandwidth: >1 is better; latency: <1 is better)
         r["ratio"] = r["rixl"] / r["perftest"]
+        if a.baseline:
+            r["baseline"] = med["baseline"]
+            r["baseline_ratio"] = r["baseline"] / r["perftest"]
+            r["baseline_all"] = [x[key] for x in res["baseline"]]
         if tuned:
             r["tuned"] = med["tuned"]
             r["tuned_flags"] = " ".join(tuned)
@@ -209,6 +218,8 @@ def main():
         rows.append(r)
         unit = "MiB/s" if test.endswith("_bw") else "us"
         also = f"  rixl {r['tuned_flags']} {r['tuned']:.2f} = {r['tuned_ratio']:.2f}" if tuned else ""
+        if a.baseline:
+            also += f"  baseline {r['baseline']:.2f} = {r['baseline_ratio']:.2f} (rounds {r['baseline_all']})"
         print(f"{test:9} {size:>8} B  -l {pl:<2} n={iters:<5}  perftest {r['perftest']:9.2f}  rixl {r['rixl']:9.2f} {unit:5}  rixl/perftest {r['ratio']:.2f}{also}   (rounds: perftest {r['perftest_all']}, rixl {r['rixl_all']})", flush=True)
     awaits = []
     extra = []
@@ -228,20 +239,23 @@ def main():
         print(f"write_lat {size} B with WRITE_WITH_IMM arrival (--notify imm): {imm:.2f} us = {imm/pt:.2f} x ib_write_lat", flush=True)
     with open(os.path.join(a.out, "compare.csv"), "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["test", "size", "iterations", "post_list", "metric", "perftest", "rixl", "rixl_over_perftest", "perftest_mpps", "rixl_mpps", "rixl_tuned_flags", "rixl_tuned", "rixl_tuned_over_perftest"])
+        w.writerow(["test", "size", "iterations", "post_list", "metric", "perftest", "rixl", "rixl_over_perftest", "perftest_mpps", "rixl_mpps", "rixl_tuned_flags", "rixl_tuned", "rixl_tuned_over_perftest", "baseline", "baseline_over_perftest"])
         for r in rows:
             t = [r["tuned_flags"], f"{r['tuned']:.3f}", f"{r['tuned_ratio']:.3f}"] if "tuned" in r else ["", "", ""]
-            w.writerow([r["test"], r["size"], r["iters"], r["post_list"], r["metric"], f"{r['perftest']:.3f}", f"{r['rixl']:.3f}", f"{r['ratio']:.3f}", r.get("perftest_mpps", ""), r.get("rixl_mpps", "")] + t)
+            b = [f"{r['baseline']:.3f}", f"{r['baseline_ratio']:.3f}"] if "baseline" in r else ["", ""]
+            w.writerow([r["test"], r["size"], r["iters"], r["post_list"], r["metric"], f"{r['perftest']:.3f}", f"{r['rixl']:.3f}", f"{r['ratio']:.3f}", r.get("perftest_mpps", ""), r.get("rixl_mpps", "")] + t + b)
         for size, v, op, imm, pt in extra:
             w.writerow(["await_write", size, "", 1, "t_typical_over_write_lat_oneway", f"{pt:.3f}", f"{v:.3f}", f"{v/pt:.3f}", "", ""])
             w.writerow(["await_write_vs_verbs_op", size, "", 1, "t_typical_over_ib_write_bw_t1_per_op", f"{op:.3f}", f"{v:.3f}", f"{v/op:.3f}", "", ""])
             w.writerow(["write_lat_imm", size, "", 1, "t_typical", f"{pt:.3f}", f"{imm:.3f}", f"{imm/pt:.3f}", "", ""])
     with open(os.path.join(a.out, "compare.md"), "w") as f:
-        f.write("| test | size (B) | -l | perftest | rixl | rixl/perftest | rixl with opt-ins (flags) | opt-ins/perftest |\n|---|---|---|---|---|---|---|---|\n")
+        base_head = " baseline/perftest |" if a.baseline else ""
+        f.write(f"| test | size (B) | -l | perftest | rixl | rixl/perftest |{base_head} rixl with opt-ins (flags) | opt-ins/perftest |\n|---|---|---|---|---|---|{'---|' if a.baseline else ''}---|---|\n")
         for r in rows:
             unit = "MiB/s" if r["test"].endswith("_bw") else "µs t_typical"
             t = f"{r['tuned']:.2f} {unit} (`{r['tuned_flags']}`) | {r['tuned_ratio']:.2f}" if "tuned" in r else " | "
-            f.write(f"| {r['test']} | {r['size']} | {r['post_list']} | {r['perftest']:.2f} {unit} | {r['rixl']:.2f} {unit} | {r['ratio']:.2f} | {t} |\n")
+            b = f" {r['baseline_ratio']:.2f} |" if "baseline" in r else ""
+            f.write(f"| {r['test']} | {r['size']} | {r['post_list']} | {r['perftest']:.2f} {unit} | {r['rixl']:.2f} {unit} | {r['ratio']:.2f} |{b} {t} |\n")
         for size, v, op, imm, pt in extra:
             f.write(f"| one `.await` WRITE | {size} | 1 | {pt:.2f} µs (ib_write_lat one-way) | {v:.2f} µs | {v/pt:.2f}x | | |\n")
             f.write(f"| one `.await` WRITE vs raw verbs post+completion | {size} | 1 | {op:.2f} µs (ib_write_bw -t 1, per op) | {v:.2f} µs | {v/op:.2f}x | | |\n")

@@ -130,7 +130,7 @@ impl FileRegistration {
 impl Agent {
     /// Registers a file as FILE memory (a local tier): opened with O_DIRECT on the agent's core;
     /// the create modes reserve `spec.size` bytes up front. Its descriptors are
-    /// [`FileDesc`]s (offset, length) inside `spec.size`.
+    /// [`FileDesc`](crate::runtime::FileDesc)s (offset, length) inside `spec.size`.
     ///
     /// # Errors
     /// [`AgentError::File`] (not found, exists, too small, no space, ...).

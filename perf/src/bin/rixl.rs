@@ -7,7 +7,9 @@
 //! ```
 #![forbid(unsafe_code)]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+
+use clap::Parser;
 
 use rixl::topology::{GpuLink, Machine, MemoryLocation, Path as TopoPath, PciPlace, Place};
 use rixl::verbs::{DeviceList, LinkLayer};
@@ -97,12 +99,9 @@ fn info() -> Result<(), String> {
     Ok(())
 }
 
-fn topo(args: &[String]) -> Result<(), String> {
-    let m = match args.iter().position(|a| a == "--xml") {
-        Some(i) => {
-            let f = args.get(i + 1).ok_or("--xml needs a file")?;
-            rixl::topology::hwloc::from_xml_file(Path::new(f)).map_err(|e| e.to_string())?
-        }
+fn topo(xml: Option<&Path>) -> Result<(), String> {
+    let m = match xml {
+        Some(f) => rixl::topology::hwloc::from_xml_file(f).map_err(|e| e.to_string())?,
         None => rixl::nvlink::discover_machine(),
     };
     print!("{}", topo_report(&m));
@@ -276,12 +275,24 @@ fn cpu_ranges(cpus: &[u32]) -> String {
     out.join(",")
 }
 
+/// `rixl info` | `rixl topo [--xml FILE]`.
+#[derive(Debug, Parser)]
+#[command(name = "rixl", about = "Machine facts for rixl users")]
+enum Cli {
+    /// RDMA devices, ports, GIDs and limits; GPU backends available (CUDA, NVML)
+    Info,
+    /// GPU/NIC/NUMA matrix (like `nvidia-smi topo -m`) and the path rixl picks per memory
+    Topo {
+        /// Report another machine from its hwloc XML export (`lstopo machine.xml`)
+        #[arg(long, value_name = "HWLOC-XML")]
+        xml: Option<PathBuf>,
+    },
+}
+
 fn main() {
-    let cmd = std::env::args().nth(1).unwrap_or_default();
-    let r = match cmd.as_str() {
-        "info" => info(),
-        "topo" => topo(&std::env::args().skip(2).collect::<Vec<_>>()),
-        _ => Err("usage: rixl info | rixl topo [--xml HWLOC-XML]".into()),
+    let r = match Cli::parse() {
+        Cli::Info => info(),
+        Cli::Topo { xml } => topo(xml.as_deref()),
     };
     if let Err(e) = r {
         eprintln!("rixl: {e}");

@@ -1,8 +1,15 @@
-//! perftest-compatible command line: the same flags, meanings and defaults.
+//! perftest-compatible command line (clap): the same flags, meanings and defaults as ib_write_bw
+//! & co., plus the `sweep` (nixlbench) and `file` (fio) subcommands.
 
+use std::ffi::OsString;
+use std::fmt::Display;
 use std::time::Duration;
 
+use clap::error::{ContextKind, ContextValue, ErrorKind};
+use clap::{CommandFactory, Parser, ValueEnum};
 use rixl::runtime::PollMode;
+
+use super::{file, sweep};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Test {
@@ -15,18 +22,6 @@ pub enum Test {
 }
 
 impl Test {
-    pub fn parse(s: &str) -> Option<Test> {
-        Some(match s {
-            "write_bw" => Test::WriteBw,
-            "read_bw" => Test::ReadBw,
-            "send_bw" => Test::SendBw,
-            "write_lat" => Test::WriteLat,
-            "read_lat" => Test::ReadLat,
-            "send_lat" => Test::SendLat,
-            _ => return None,
-        })
-    }
-
     pub fn name(self) -> &'static str {
         match self {
             Test::WriteBw => "write_bw",
@@ -48,7 +43,7 @@ impl Test {
 }
 
 /// How the write_lat ping-pong learns that the peer's WRITE has landed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum Notify {
     /// Spin on the last byte of the landing area (`rixl::runtime::wait_flag`), as perftest does.
     Flag,
@@ -65,6 +60,25 @@ impl Notify {
     }
 }
 
+/// `--poll-mode`'s values (rixl's `PollMode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum PollArg {
+    /// Poll the completion queue on the engine's core.
+    Busy,
+    /// Wait for completion events off the core.
+    Event,
+}
+
+impl From<PollArg> for PollMode {
+    fn from(p: PollArg) -> PollMode {
+        match p {
+            PollArg::Busy => PollMode::Busy,
+            PollArg::Event => PollMode::Event,
+        }
+    }
+}
+
+/// The resolved options of a perftest-style test (test-dependent defaults applied).
 #[derive(Debug, Clone)]
 pub struct Args {
     pub test: Test,
@@ -92,148 +106,249 @@ pub struct Args {
     pub cpu: Option<usize>,
 }
 
-pub const USAGE: &str = "\
-usage: rixl-perf TEST [options] [server-host]
-  TEST: write_bw read_bw send_bw write_lat read_lat send_lat   (or: rixl-perf sweep --help)
-  perftest options (same meaning and defaults as ib_write_bw & co.):
-    -d, --ib-dev <dev>        RDMA device (default: first, or $RIXL_RDMA_DEVICE)
-    -i, --ib-port <port>      port (default 1)
-    -x, --gid-index <idx>     GID index (default $RIXL_GID_INDEX or 1)
-    -s, --size <bytes>        message size (default 65536 for bw, 2 for lat)
-    -a, --all                 all sizes 2 B .. 8 MiB
-    -n, --iters <n>           iterations (default 5000 write_bw, 1000 otherwise)
-    -q, --qp <n>              queue pairs (default 1)
-    -t, --tx-depth <n>        outstanding requests (default 128 bw, 1 lat)
-    -l, --post_list <n>       descriptors per transfer (one doorbell; default 1)
-    -D, --duration <s>        run for s seconds instead of -n iterations
-    -F, --CPU-freq            accepted (no CPU frequency warning is printed anyway)
-    -p, --port <port>         TCP port of the out-of-band exchange (default 18515)
-        --report_gbits        report bandwidth in Gb/sec
-        --out_json            write the report as JSON (perftest_out.json)
-        --out_json_file <f>   ... to this file
-  rixl options:
-        --poll-mode busy|event   engine completion mode (default busy)
-        --coalesce               share doorbells and signaled completions among small transfers
-        --prepared               check and plan each transfer once, then re-post it (like
-                                 NIXL's prepared transfer requests; READ/WRITE tests)
-        --notify flag|imm        write_lat arrival: a flag byte in memory, as perftest (default),
-                                 or WRITE_WITH_IMM and a receive completion
-        --engines <n>            engines (cores) on the client for bw tests (default 1)
-        --cpu <n>                first CPU to pin engines to (default: client 0, server the last)";
-
-fn value<'a>(it: &mut impl Iterator<Item = &'a String>, flag: &str) -> Result<&'a String, String> {
-    it.next().ok_or_else(|| format!("{flag} needs a value"))
+/// A perftest test's command line, as parsed (defaults that depend on the test still unset).
+#[derive(Debug, Clone, clap::Args)]
+#[command(after_help = "\
+Run without a server host to be the server; with one to be the client, which prints perftest's \
+columns.")]
+pub struct PerftestArgs {
+    /// RDMA device [default: first, or $RIXL_RDMA_DEVICE]
+    #[arg(short = 'd', long = "ib-dev", value_name = "DEV")]
+    device: Option<String>,
+    /// Port of the device
+    #[arg(
+        short = 'i',
+        long = "ib-port",
+        value_name = "PORT",
+        default_value_t = 1
+    )]
+    ib_port: u8,
+    /// GID index [default: $RIXL_GID_INDEX or 1]
+    #[arg(short = 'x', long = "gid-index", value_name = "IDX")]
+    gid_index: Option<u32>,
+    /// Message size in bytes, 1 B .. 1 GiB [default: 65536 for bw tests, 2 for lat tests]
+    #[arg(short = 's', long = "size", value_name = "BYTES",
+          value_parser = clap::value_parser!(u64).range(1..=1 << 30))]
+    size: Option<u64>,
+    /// All sizes, 2 B .. 8 MiB (powers of two)
+    #[arg(short = 'a', long = "all")]
+    all: bool,
+    /// Iterations, at least 5 [default: 5000 for write_bw, 1000 otherwise]
+    #[arg(short = 'n', long = "iters", value_name = "N",
+          value_parser = clap::value_parser!(u64).range(5..))]
+    iters: Option<u64>,
+    /// Queue pairs
+    #[arg(short = 'q', long = "qp", value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    qps: u32,
+    /// Outstanding requests [default: 128 for bw tests, 1 for lat tests]
+    #[arg(short = 't', long = "tx-depth", value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..))]
+    tx_depth: Option<u32>,
+    /// Descriptors per transfer (one doorbell)
+    #[arg(short = 'l', long = "post_list", value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    post_list: u32,
+    /// Run for this many seconds instead of -n iterations
+    #[arg(short = 'D', long = "duration", value_name = "SECONDS")]
+    duration: Option<u64>,
+    /// Accepted and ignored (no CPU frequency warning is printed anyway)
+    #[arg(short = 'F', long = "CPU-freq")]
+    _cpu_freq: bool,
+    /// TCP port of the out-of-band exchange
+    #[arg(
+        short = 'p',
+        long = "port",
+        value_name = "PORT",
+        default_value_t = 18515
+    )]
+    port: u16,
+    /// Report bandwidth in Gb/sec
+    #[arg(long = "report_gbits")]
+    report_gbits: bool,
+    /// Write the report as JSON (perftest_out.json)
+    #[arg(long = "out_json")]
+    out_json: bool,
+    /// Write the JSON report to this file
+    #[arg(long = "out_json_file", value_name = "FILE")]
+    out_json_file: Option<String>,
+    /// Engine completion mode
+    #[arg(long = "poll-mode", value_name = "MODE", value_enum, default_value_t = PollArg::Busy,
+          help_heading = "rixl options")]
+    poll_mode: PollArg,
+    /// Share doorbells and signaled completions among small transfers
+    #[arg(long = "coalesce", help_heading = "rixl options")]
+    coalesce: bool,
+    /// Check and plan each transfer once, then re-post it (like NIXL's prepared transfer
+    /// requests; READ/WRITE tests)
+    #[arg(long = "prepared", help_heading = "rixl options")]
+    prepared: bool,
+    /// write_lat arrival: a flag byte in memory, as perftest, or WRITE_WITH_IMM and a receive
+    /// completion
+    #[arg(long = "notify", value_name = "HOW", value_enum, default_value_t = Notify::Flag,
+          help_heading = "rixl options")]
+    notify: Notify,
+    /// Engines (cores) on the client for bw tests
+    #[arg(long = "engines", value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..), help_heading = "rixl options")]
+    engines: u32,
+    /// First CPU to pin engines to [default: client 0, server the last]
+    #[arg(long = "cpu", value_name = "N", help_heading = "rixl options")]
+    cpu: Option<usize>,
+    /// The server to connect to (none: be the server)
+    #[arg(value_name = "SERVER_HOST")]
+    server: Option<String>,
 }
 
-fn num<T: std::str::FromStr>(v: &str, flag: &str) -> Result<T, String> {
-    v.parse()
-        .map_err(|_| format!("{flag}: invalid value {v:?}"))
-}
-
-pub fn parse(argv: &[String]) -> Result<Args, String> {
-    let test = argv
-        .first()
-        .and_then(|t| Test::parse(t))
-        .ok_or_else(|| format!("unknown or missing test\n{USAGE}"))?;
-    let mut a = Args {
-        test,
-        server: None,
-        device: std::env::var("RIXL_RDMA_DEVICE").ok(),
-        ib_port: 1,
-        gid_index: std::env::var("RIXL_GID_INDEX")
-            .ok()
-            .and_then(|v| v.parse().ok()),
-        sizes: Vec::new(),
-        iters: if test == Test::WriteBw { 5000 } else { 1000 },
-        qps: 1,
-        tx_depth: if test.is_bw() { 128 } else { 1 },
-        post_list: 1,
-        duration: None,
-        port: 18515,
-        report_gbits: false,
-        out_json: None,
-        poll_mode: PollMode::Busy,
-        coalesce: false,
-        prepared: false,
-        notify: Notify::Flag,
-        engines: 1,
-        cpu: None,
-    };
-    let mut all = false;
-    let mut size = None;
-    let mut it = argv[1..].iter();
-    while let Some(arg) = it.next() {
-        // Accept both "--flag value" and "--flag=value".
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f, Some(v.to_string())),
-            _ => (arg.as_str(), None),
+impl PerftestArgs {
+    /// Applies the defaults that depend on `test` and on the environment.
+    fn resolve(self, test: Test) -> Args {
+        let sizes = if self.all {
+            (1..=23).map(|p| 1u64 << p).collect()
+        } else {
+            vec![self.size.unwrap_or(if test.is_bw() { 65536 } else { 2 })]
         };
-        let val = |it: &mut std::slice::Iter<'_, String>| -> Result<String, String> {
-            match &inline {
-                Some(v) => Ok(v.clone()),
-                None => value(it, flag).cloned(),
-            }
-        };
-        match flag {
-            "-d" | "--ib-dev" => a.device = Some(val(&mut it)?),
-            "-i" | "--ib-port" => a.ib_port = num(&val(&mut it)?, flag)?,
-            "-x" | "--gid-index" => a.gid_index = Some(num(&val(&mut it)?, flag)?),
-            "-s" | "--size" => size = Some(num::<u64>(&val(&mut it)?, flag)?),
-            "-a" | "--all" => all = true,
-            "-n" | "--iters" => a.iters = num(&val(&mut it)?, flag)?,
-            "-q" | "--qp" => a.qps = num(&val(&mut it)?, flag)?,
-            "-t" | "--tx-depth" => a.tx_depth = num(&val(&mut it)?, flag)?,
-            "-l" | "--post_list" => a.post_list = num(&val(&mut it)?, flag)?,
-            "-D" | "--duration" => {
-                a.duration = Some(Duration::from_secs(num(&val(&mut it)?, flag)?))
-            }
-            "-F" | "--CPU-freq" => {}
-            "-p" | "--port" => a.port = num(&val(&mut it)?, flag)?,
-            "--report_gbits" => a.report_gbits = true,
-            "--out_json" => a.out_json = a.out_json.or(Some("perftest_out.json".into())),
-            "--out_json_file" => a.out_json = Some(val(&mut it)?),
-            "--coalesce" => a.coalesce = true,
-            "--prepared" => a.prepared = true,
-            "--poll-mode" => {
-                a.poll_mode = match val(&mut it)?.as_str() {
-                    "busy" => PollMode::Busy,
-                    "event" => PollMode::Event,
-                    v => return Err(format!("--poll-mode: busy or event, not {v:?}")),
-                }
-            }
-            "--notify" => {
-                a.notify = match val(&mut it)?.as_str() {
-                    "flag" => Notify::Flag,
-                    "imm" => Notify::Imm,
-                    v => return Err(format!("--notify: flag or imm, not {v:?}")),
-                }
-            }
-            "--engines" => a.engines = num(&val(&mut it)?, flag)?,
-            "--cpu" => a.cpu = Some(num(&val(&mut it)?, flag)?),
-            "-h" | "--help" => return Err(USAGE.into()),
-            f if f.starts_with('-') => return Err(format!("unknown option {f}\n{USAGE}")),
-            host => {
-                if a.server.replace(host.to_string()).is_some() {
-                    return Err(format!("unexpected argument {host:?}"));
-                }
-            }
+        Args {
+            test,
+            server: self.server,
+            device: self
+                .device
+                .or_else(|| std::env::var("RIXL_RDMA_DEVICE").ok()),
+            ib_port: self.ib_port,
+            gid_index: self.gid_index.or_else(|| {
+                std::env::var("RIXL_GID_INDEX")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+            }),
+            sizes,
+            iters: self
+                .iters
+                .unwrap_or(if test == Test::WriteBw { 5000 } else { 1000 }),
+            qps: self.qps,
+            tx_depth: self.tx_depth.unwrap_or(if test.is_bw() { 128 } else { 1 }),
+            post_list: self.post_list,
+            duration: self.duration.map(Duration::from_secs),
+            port: self.port,
+            report_gbits: self.report_gbits,
+            out_json: self
+                .out_json_file
+                .or_else(|| self.out_json.then(|| "perftest_out.json".into())),
+            poll_mode: self.poll_mode.into(),
+            coalesce: self.coalesce,
+            prepared: self.prepared,
+            notify: self.notify,
+            engines: self.engines,
+            cpu: self.cpu,
         }
     }
-    if a.iters < 5 {
-        return Err("-n: at least 5 iterations".into());
+}
+
+/// `rixl-perf TEST [options] [server-host]`, `rixl-perf sweep [...]`, `rixl-perf file [...]`.
+#[derive(Debug, Parser)]
+#[command(
+    name = "rixl-perf",
+    about = "perftest-compatible benchmarks of the rixl runtime (same flags, meanings and defaults \
+             as ib_write_bw & co.), a nixlbench-style sweep and a fio-style FILE tier benchmark",
+    arg_required_else_help = true
+)]
+enum Cli {
+    /// RDMA WRITE bandwidth (ib_write_bw)
+    #[command(name = "write_bw")]
+    WriteBw(PerftestArgs),
+    /// RDMA READ bandwidth (ib_read_bw)
+    #[command(name = "read_bw")]
+    ReadBw(PerftestArgs),
+    /// SEND bandwidth (ib_send_bw)
+    #[command(name = "send_bw")]
+    SendBw(PerftestArgs),
+    /// RDMA WRITE ping-pong latency (ib_write_lat)
+    #[command(name = "write_lat")]
+    WriteLat(PerftestArgs),
+    /// RDMA READ latency (ib_read_lat)
+    #[command(name = "read_lat")]
+    ReadLat(PerftestArgs),
+    /// SEND ping-pong latency (ib_send_lat)
+    #[command(name = "send_lat")]
+    SendLat(PerftestArgs),
+    /// nixlbench-style block size x batch size sweep in one process (nixlbench's flags)
+    Sweep(sweep::SweepArgs),
+    /// fio-style benchmark of the FILE tier (fio's flag names and meanings)
+    File(file::FileArgs),
+}
+
+/// What to run.
+#[derive(Debug)]
+pub enum Mode {
+    Perf(Args),
+    Sweep(sweep::SweepArgs),
+    File(file::FileArgs),
+}
+
+/// Parses a command line (`argv[0]` is the program name).
+///
+/// # Errors
+/// clap's error for a bad command line, `--help` included (it prints the help); or a usage error
+/// of a subcommand whose flags do not fit together.
+pub fn parse<I, T>(argv: I) -> Result<Mode, clap::Error>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    Ok(match Cli::try_parse_from(argv)? {
+        Cli::WriteBw(p) => Mode::Perf(p.resolve(Test::WriteBw)),
+        Cli::ReadBw(p) => Mode::Perf(p.resolve(Test::ReadBw)),
+        Cli::SendBw(p) => Mode::Perf(p.resolve(Test::SendBw)),
+        Cli::WriteLat(p) => Mode::Perf(p.resolve(Test::WriteLat)),
+        Cli::ReadLat(p) => Mode::Perf(p.resolve(Test::ReadLat)),
+        Cli::SendLat(p) => Mode::Perf(p.resolve(Test::SendLat)),
+        Cli::Sweep(w) => {
+            w.check().map_err(|m| usage_error("sweep", m))?;
+            Mode::Sweep(w)
+        }
+        Cli::File(f) => {
+            f.check().map_err(|m| usage_error("file", m))?;
+            Mode::File(f)
+        }
+    })
+}
+
+/// A usage error of subcommand `sub` (clap's format: the message, then the usage line).
+fn usage_error(sub: &str, msg: impl Display) -> clap::Error {
+    let mut cmd = Cli::command();
+    cmd.build();
+    match cmd.find_subcommand_mut(sub) {
+        Some(c) => c.error(ErrorKind::ValueValidation, msg),
+        None => cmd.error(ErrorKind::ValueValidation, msg),
     }
-    if a.qps == 0 || a.tx_depth == 0 || a.post_list == 0 || a.engines == 0 {
-        return Err("-q, -t, -l and --engines must be positive".into());
+}
+
+/// The text of a command-line error: clap's, with an unknown option worded as perftest's
+/// ("unknown option --bogus").
+pub fn message(e: &clap::Error) -> String {
+    let text = e.render().to_string();
+    match e.get(ContextKind::InvalidArg) {
+        Some(ContextValue::String(arg))
+            if e.kind() == ErrorKind::UnknownArgument && arg.starts_with('-') =>
+        {
+            let clap_words = format!("unexpected argument '{arg}' found");
+            if text.contains(&clap_words) {
+                text.replacen(&clap_words, &format!("unknown option {arg}"), 1)
+            } else {
+                format!("error: unknown option {arg}\n{text}")
+            }
+        }
+        _ => text,
     }
-    a.sizes = if all {
-        (1..=23).map(|p| 1u64 << p).collect()
-    } else {
-        vec![size.unwrap_or(if test.is_bw() { 65536 } else { 2 })]
-    };
-    if a.sizes.iter().any(|&s| s == 0 || s > (1 << 30)) {
-        return Err("-s: size must be 1 B .. 1 GiB".into());
+}
+
+/// Prints a command-line error (help and the like to stdout) and exits with clap's status: 0 for
+/// `--help`, 2 for a bad command line.
+pub fn exit(e: &clap::Error) -> ! {
+    if e.use_stderr() && e.kind() == ErrorKind::UnknownArgument {
+        eprint!("{}", message(e));
+        std::process::exit(e.exit_code());
     }
-    Ok(a)
+    e.exit()
 }
 
 #[cfg(test)]
@@ -241,7 +356,11 @@ mod tests {
     use super::*;
 
     fn p(s: &str) -> Result<Args, String> {
-        parse(&s.split_whitespace().map(String::from).collect::<Vec<_>>())
+        match parse(std::iter::once("rixl-perf").chain(s.split_whitespace())) {
+            Ok(Mode::Perf(a)) => Ok(a),
+            Ok(m) => Err(format!("not a perftest test: {m:?}")),
+            Err(e) => Err(message(&e)),
+        }
     }
 
     #[test]
@@ -251,6 +370,12 @@ mod tests {
             (a.sizes.clone(), a.iters, a.tx_depth, a.qps),
             (vec![65536], 5000, 128, 1)
         );
+        assert_eq!(
+            (a.ib_port, a.post_list, a.port, a.engines),
+            (1, 1, 18515, 1)
+        );
+        assert_eq!((a.poll_mode, a.notify), (PollMode::Busy, Notify::Flag));
+        assert!(a.server.is_none() && a.out_json.is_none() && a.duration.is_none());
         let a = p("read_bw").expect("ok");
         assert_eq!(a.iters, 1000);
         let a = p("write_lat 10.0.0.1").expect("ok");
@@ -276,15 +401,72 @@ mod tests {
         );
         assert!(a.report_gbits);
         assert_eq!(a.out_json.as_deref(), Some("o.json"));
+        assert_eq!(a.server.as_deref(), Some("host"));
         let a = p("write_bw -a").expect("ok");
         assert_eq!(a.sizes.len(), 23);
         assert_eq!((a.sizes[0], a.sizes[22]), (2, 8 << 20));
-        assert!(p("write_bw --bogus")
-            .expect_err("unknown")
-            .contains("unknown option --bogus"));
+        let e = p("write_bw --bogus").expect_err("unknown");
+        assert!(e.contains("unknown option --bogus"), "{e}");
         assert!(p("frobnicate").is_err());
+        assert!(p("").is_err(), "a test is required");
         assert!(p("write_bw -n 2").is_err());
+        assert!(p("write_bw -n 5").is_ok());
         assert!(p("write_bw -s").is_err());
+        assert!(p("write_bw -s 0").is_err());
+        assert!(p("write_bw -s 1073741825").is_err());
+        assert!(p("write_bw -s 1073741824").is_ok());
         assert!(p("write_bw a b").is_err());
+        for zero in ["-q 0", "-t 0", "-l 0", "--engines 0"] {
+            assert!(p(&format!("write_bw {zero}")).is_err(), "{zero}");
+        }
+    }
+
+    #[test]
+    fn rixl_options() {
+        let a = p("write_lat --poll-mode event --coalesce --prepared --notify imm --engines 2 --cpu 3 -D 5 -i 2 -p 19000 --out_json")
+            .expect("ok");
+        assert_eq!(
+            (
+                a.poll_mode,
+                a.coalesce,
+                a.prepared,
+                a.notify,
+                a.engines,
+                a.cpu
+            ),
+            (PollMode::Event, true, true, Notify::Imm, 2, Some(3))
+        );
+        assert_eq!(
+            (a.duration, a.ib_port, a.port),
+            (Some(Duration::from_secs(5)), 2, 19000)
+        );
+        assert_eq!(a.out_json.as_deref(), Some("perftest_out.json"));
+        let a = p("write_bw --out_json --out_json_file f.json").expect("ok");
+        assert_eq!(a.out_json.as_deref(), Some("f.json"));
+        assert!(p("write_bw --poll-mode spin").is_err());
+        assert!(p("write_bw --notify=carrier-pigeon").is_err());
+        // The invocations of perf/benches and scripts/demo.
+        let a =
+            p("write_bw -d rxe0 -x 1 -s 65536 -n 5000 -F -l 16 --prepared --coalesce 127.0.0.1")
+                .expect("ok");
+        assert_eq!((a.post_list, a.prepared, a.coalesce), (16, true, true));
+        assert!(p("write_lat -d rxe0 -x 1 -s 64 -n 5000 -F --notify imm 127.0.0.1").is_ok());
+        assert!(p("write_bw -d rxe0 -x 1 -s 4096 -n 1000 -F -t 1 -p 18601 127.0.0.1").is_ok());
+    }
+
+    #[test]
+    fn help_is_not_a_run() {
+        let e = parse(["rixl-perf", "write_bw", "-h"]).expect_err("help");
+        assert_eq!(e.kind(), ErrorKind::DisplayHelp);
+        let help = e.render().to_string();
+        for flag in [
+            "--ib-dev",
+            "--post_list",
+            "--CPU-freq",
+            "--out_json_file",
+            "--poll-mode",
+        ] {
+            assert!(help.contains(flag), "{flag} in {help}");
+        }
     }
 }

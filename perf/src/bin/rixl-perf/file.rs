@@ -11,34 +11,75 @@ use rixl::runtime::{
     FileConfig, FileDesc, FileMode, FileSpec, FileStore, LocalDescList, Op, Region,
 };
 
-use super::stats::pct;
+use super::stats::Durations;
 use super::{on_core_with, s, Res};
 
-const USAGE: &str = "\
-usage: rixl-perf file --filename <path> [options]   (fio's names and meanings)
-    --rw read|write|randread|randwrite   (default read)
-    --bs <B>               block size per transfer, k/m/g suffixes are 1024-based (default 128k)
-    --iodepth <n>          transfers in flight (default 32)
-    --size <B>             file size; the whole file is covered once (default 1g)
-    --batch <n>            blocks per transfer (descriptors); iodepth counts blocks (default 1)
-    --cpu <n>              core to run on (default 0)
-    --io_memory <B>        glommio I/O memory (default 2 x iodepth x bs, at most 256m)
-    --verify               after a write, read the file back through std::fs and compare
-    --out_json <path>      write the result as JSON";
-
-#[derive(Debug, Clone)]
-struct FileArgs {
+/// `rixl-perf file`: fio's flag names and meanings; sizes take fio's k/m/g suffixes (1024-based).
+#[derive(Debug, Clone, clap::Args)]
+pub struct FileArgs {
+    /// The file to read or write (created when missing or short)
+    #[arg(long = "filename", value_name = "PATH")]
     path: PathBuf,
-    op: Op,
-    random: bool,
+    /// Direction and order
+    #[arg(long = "rw", value_enum, default_value_t = Rw::Read)]
+    rw: Rw,
+    /// Block size per transfer: a positive multiple of 4096 (O_DIRECT)
+    #[arg(long = "bs", value_name = "B", default_value = "128k", value_parser = block_size)]
     bs: u64,
+    /// Transfers in flight
+    #[arg(long = "iodepth", value_name = "N", default_value = "32", value_parser = count)]
     iodepth: usize,
+    /// File size; the whole file is covered once
+    #[arg(long = "size", value_name = "B", default_value = "1g", value_parser = size)]
     size: u64,
+    /// Blocks per transfer (descriptors); --iodepth counts blocks
+    #[arg(long = "batch", value_name = "N", default_value = "1", value_parser = count)]
     batch: usize,
+    /// Core to run on
+    #[arg(long = "cpu", value_name = "N", default_value = "0", value_parser = index)]
     cpu: usize,
+    /// glommio I/O memory [default: 2 x iodepth x bs, at most 256m]
+    #[arg(long = "io_memory", value_name = "B", value_parser = index)]
     io_memory: Option<usize>,
+    /// After a write, read the file back through std::fs and compare
+    #[arg(long = "verify")]
     verify: bool,
+    /// Write the result as JSON to this file
+    #[arg(long = "out_json", value_name = "PATH")]
     out_json: Option<String>,
+}
+
+/// fio's `--rw` values that rixl's FILE tier runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Rw {
+    Read,
+    Write,
+    #[value(name = "randread")]
+    RandRead,
+    #[value(name = "randwrite")]
+    RandWrite,
+}
+
+impl Rw {
+    fn op(self) -> Op {
+        match self {
+            Rw::Read | Rw::RandRead => Op::Read,
+            Rw::Write | Rw::RandWrite => Op::Write,
+        }
+    }
+
+    fn random(self) -> bool {
+        matches!(self, Rw::RandRead | Rw::RandWrite)
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Rw::Read => "read",
+            Rw::Write => "write",
+            Rw::RandRead => "randread",
+            Rw::RandWrite => "randwrite",
+        }
+    }
 }
 
 /// Parses fio-style sizes: `131072`, `128k`, `1m`, `1g` (1024-based, like fio's default).
@@ -58,69 +99,37 @@ pub fn parse_size(v: &str) -> Option<u64> {
     num.parse::<u64>().ok()?.checked_mul(mult)
 }
 
-fn parse(argv: &[String]) -> Res<FileArgs> {
-    let mut a = FileArgs {
-        path: PathBuf::new(),
-        op: Op::Read,
-        random: false,
-        bs: 128 << 10,
-        iodepth: 32,
-        size: 1 << 30,
-        batch: 1,
-        cpu: 0,
-        io_memory: None,
-        verify: false,
-        out_json: None,
-    };
-    let mut it = argv.iter();
-    while let Some(arg) = it.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) => (f, Some(v.to_string())),
-            None => (arg.as_str(), None),
-        };
-        let mut v = || -> Res<String> {
-            inline
-                .clone()
-                .or_else(|| it.next().cloned())
-                .ok_or(format!("{flag} needs a value"))
-        };
-        let size = |v: String| parse_size(&v).ok_or(format!("{flag}: not a size: {v}"));
-        match flag {
-            "--filename" => a.path = PathBuf::from(v()?),
-            "--rw" => {
-                let rw = v()?;
-                (a.op, a.random) = match rw.as_str() {
-                    "read" => (Op::Read, false),
-                    "write" => (Op::Write, false),
-                    "randread" => (Op::Read, true),
-                    "randwrite" => (Op::Write, true),
-                    o => return Err(format!("--rw read|write|randread|randwrite, not {o}")),
-                }
-            }
-            "--bs" => a.bs = size(v()?)?,
-            "--size" => a.size = size(v()?)?,
-            "--iodepth" => a.iodepth = size(v()?)? as usize,
-            "--batch" => a.batch = size(v()?)? as usize,
-            "--cpu" => a.cpu = size(v()?)? as usize,
-            "--io_memory" => a.io_memory = Some(size(v()?)? as usize),
-            "--verify" => a.verify = true,
-            "--out_json" => a.out_json = Some(v()?),
-            "-h" | "--help" => return Err(USAGE.into()),
-            f => return Err(format!("unknown option {f}\n{USAGE}")),
+/// clap value parsers: a fio size ([`parse_size`]), a block size, an index, a positive count.
+fn size(v: &str) -> Result<u64, String> {
+    parse_size(v).ok_or_else(|| format!("not a size: {v}"))
+}
+
+fn block_size(v: &str) -> Result<u64, String> {
+    match size(v)? {
+        b if b > 0 && b.is_multiple_of(4096) => Ok(b),
+        _ => Err("a positive multiple of 4096 (O_DIRECT)".into()),
+    }
+}
+
+fn index(v: &str) -> Result<usize, String> {
+    usize::try_from(size(v)?).map_err(|e| e.to_string())
+}
+
+fn count(v: &str) -> Result<usize, String> {
+    match index(v)? {
+        0 => Err("must be positive".into()),
+        n => Ok(n),
+    }
+}
+
+impl FileArgs {
+    /// The checks that involve several flags.
+    pub fn check(&self) -> Res<()> {
+        if self.size < self.bs {
+            return Err("--size is smaller than --bs".into());
         }
+        Ok(())
     }
-    if a.path.as_os_str().is_empty() {
-        return Err(format!("--filename is required\n{USAGE}"));
-    }
-    if a.bs == 0 || !a.bs.is_multiple_of(4096) {
-        return Err("--bs must be a positive multiple of 4096 (O_DIRECT)".into());
-    }
-    if a.size < a.bs || a.iodepth == 0 || a.batch == 0 {
-        return Err(format!(
-            "inconsistent --size/--bs/--iodepth/--batch\n{USAGE}"
-        ));
-    }
-    Ok(a)
 }
 
 /// Blocks of host memory the run cycles through: `iodepth` of them (fio's buffer footprint).
@@ -136,7 +145,7 @@ fn pattern(i: u64) -> u8 {
 struct Run {
     blocks: Vec<u64>,
     next: Cell<usize>,
-    lat: RefCell<Vec<Duration>>,
+    lat: RefCell<Durations>,
     error: RefCell<Option<String>>,
 }
 
@@ -144,7 +153,7 @@ struct Run {
 pub struct FileResult {
     bytes: u64,
     secs: f64,
-    lat_us: Vec<f64>,
+    lat: Durations,
 }
 
 async fn run(a: FileArgs) -> Res<FileResult> {
@@ -168,12 +177,12 @@ async fn run(a: FileArgs) -> Res<FileResult> {
     let region = Region::unregistered((mem_blocks * a.bs) as usize).map_err(s)?;
     let buf: Vec<u8> = (0..region.len()).map(pattern).collect();
     region.write_at(0, &buf).map_err(s)?;
-    if mode == FileMode::Create && a.op == Op::Read {
+    if mode == FileMode::Create && a.rw.op() == Op::Read {
         // Lay the file out first (fio does the same for a missing file).
         lay_out(&store, f.id, &region, blocks_n, mem_blocks, a.bs).await?;
     }
     let mut blocks: Vec<u64> = (0..blocks_n).collect();
-    if a.random {
+    if a.rw.random() {
         let mut x = 0x2545_f491_4f6c_dd1du64;
         for i in (1..blocks.len()).rev() {
             x ^= x << 13;
@@ -185,7 +194,7 @@ async fn run(a: FileArgs) -> Res<FileResult> {
     let state = Rc::new(Run {
         blocks,
         next: Cell::new(0),
-        lat: RefCell::new(Vec::with_capacity(blocks_n as usize)),
+        lat: RefCell::new(Durations::default()),
         error: RefCell::new(None),
     });
     let store = Rc::new(store);
@@ -194,7 +203,7 @@ async fn run(a: FileArgs) -> Res<FileResult> {
     let mut tasks = Vec::new();
     for _ in 0..in_flight {
         let (st, store, region) = (Rc::clone(&state), Rc::clone(&store), region.clone());
-        let (bs, batch, op, id) = (a.bs, a.batch, a.op, f.id);
+        let (bs, batch, op, id) = (a.bs, a.batch, a.rw.op(), f.id);
         tasks.push(glommio::spawn_local(async move {
             loop {
                 let i = st.next.get();
@@ -214,7 +223,7 @@ async fn run(a: FileArgs) -> Res<FileResult> {
                     .transfer(id, op, local, &descs, Duration::from_secs(60))
                     .await
                 {
-                    Ok(_) => st.lat.borrow_mut().push(t.elapsed()),
+                    Ok(_) => st.lat.borrow_mut().record(t.elapsed()),
                     Err(e) => {
                         st.error.borrow_mut().get_or_insert(e.to_string());
                     }
@@ -230,16 +239,11 @@ async fn run(a: FileArgs) -> Res<FileResult> {
         return Err(e);
     }
     store.close_all().await;
-    let lat_us = state
-        .lat
-        .borrow()
-        .iter()
-        .map(|d| d.as_secs_f64() * 1e6)
-        .collect();
+    let lat = state.lat.borrow().clone();
     Ok(FileResult {
         bytes: blocks_n * a.bs,
         secs,
-        lat_us,
+        lat,
     })
 }
 
@@ -286,29 +290,25 @@ fn verify(a: &FileArgs) -> Res<()> {
     Ok(())
 }
 
-pub fn main(argv: &[String]) -> Res<()> {
-    let a = parse(argv)?;
+pub fn main(a: FileArgs) -> Res<()> {
     let io_memory = a
         .io_memory
         .unwrap_or_else(|| ((2 * a.iodepth as u64 * a.bs).min(256 << 20)) as usize);
     let a2 = a.clone();
-    let mut r = on_core_with(a.cpu, io_memory, move || Box::pin(run(a2)))??;
-    if a.verify && a.op == Op::Write {
+    let r = on_core_with(a.cpu, io_memory, move || Box::pin(run(a2)))??;
+    if a.verify && a.rw.op() == Op::Write {
         verify(&a)?;
         eprintln!("rixl-perf file: verified {} bytes", r.bytes);
     }
-    let rw = match (a.op, a.random) {
-        (Op::Read, false) => "read",
-        (Op::Write, false) => "write",
-        (Op::Read, true) => "randread",
-        (Op::Write, true) => "randwrite",
-    };
+    let rw = a.rw.name();
     let mib_s = r.bytes as f64 / r.secs / (1u64 << 20) as f64;
     let iops = (r.bytes / a.bs) as f64 / r.secs;
-    let avg = r.lat_us.iter().sum::<f64>() / r.lat_us.len().max(1) as f64;
-    let p99 = pct(&mut r.lat_us, 0.99);
-    let min = r.lat_us.first().copied().unwrap_or(0.0);
-    let max = r.lat_us.last().copied().unwrap_or(0.0);
+    let (min, max, avg, p99) = (
+        r.lat.min_us(),
+        r.lat.max_us(),
+        r.lat.mean_us(),
+        r.lat.quantile_us(0.99),
+    );
     println!(
         "rixl-perf file: rw={rw} bs={} iodepth={} batch={} size={} file={}",
         a.bs,
@@ -319,7 +319,11 @@ pub fn main(argv: &[String]) -> Res<()> {
     );
     println!(
         "  {}: IOPS={iops:.0}, BW={mib_s:.1}MiB/s ({:.1}MB/s)({}MiB/{:.0}ms)",
-        if a.op == Op::Read { "read" } else { "write" },
+        if a.rw.op() == Op::Read {
+            "read"
+        } else {
+            "write"
+        },
         r.bytes as f64 / r.secs / 1e6,
         r.bytes >> 20,
         r.secs * 1e3
@@ -338,6 +342,7 @@ pub fn main(argv: &[String]) -> Res<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::args::{parse, Mode};
 
     #[test]
     fn fio_sizes() {
@@ -349,16 +354,42 @@ mod tests {
         assert_eq!(parse_size("99999999999g"), None);
     }
 
+    fn p(s: &str) -> Result<FileArgs, String> {
+        match parse(["rixl-perf", "file"].into_iter().chain(s.split(' '))) {
+            Ok(Mode::File(a)) => Ok(a),
+            Ok(m) => Err(format!("not file: {m:?}")),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
     #[test]
     fn flags() {
-        let p = |s: &str| parse(&s.split(' ').map(String::from).collect::<Vec<_>>());
         let a = p("--filename /x --rw=randwrite --bs 1m --iodepth 8").unwrap();
         assert_eq!(
-            (a.op, a.random, a.bs, a.iodepth),
+            (a.rw.op(), a.rw.random(), a.bs, a.iodepth),
             (Op::Write, true, 1 << 20, 8)
         );
+        let a = p("--filename /x").unwrap();
+        assert_eq!(
+            (a.rw, a.bs, a.iodepth, a.size, a.batch, a.cpu, a.io_memory),
+            (Rw::Read, 128 << 10, 32, 1 << 30, 1, 0, None)
+        );
+        assert!(!a.verify && a.out_json.is_none());
+        // compare_fio.py's invocation.
+        let a = p("--filename /f --rw randread --bs 128k --iodepth 32 --size 2g --cpu 1 --out_json /t.json --io_memory 8m --verify --batch 4")
+            .unwrap();
+        assert_eq!(
+            (a.rw, a.size, a.cpu, a.io_memory, a.batch, a.verify),
+            (Rw::RandRead, 2 << 30, 1, Some(8 << 20), 4, true)
+        );
+        assert_eq!(a.out_json.as_deref(), Some("/t.json"));
         assert!(p("--rw read").is_err(), "filename required");
         assert!(p("--filename /x --bs 1000").is_err(), "bs not aligned");
+        assert!(p("--filename /x --bs 0").is_err(), "bs zero");
+        assert!(p("--filename /x --iodepth 0").is_err());
+        assert!(p("--filename /x --batch 0").is_err());
+        assert!(p("--filename /x --size 64k").is_err(), "size below bs");
+        assert!(p("--filename /x --size lots").is_err());
         assert!(p("--filename /x --bogus 1").is_err());
         assert!(p("--filename /x --rw sideways").is_err());
     }

@@ -23,7 +23,7 @@ use std::rc::Rc;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use args::{Args, Notify, Test};
+use args::{Args, Mode, Notify, Test};
 use glommio::{LocalExecutorBuilder, Placement};
 use oob::{Hello, Oob};
 use rixl::runtime::{
@@ -764,14 +764,12 @@ fn banner(a: &Args) {
     println!("{line}");
 }
 
-fn run(argv: &[String]) -> Res<()> {
-    if argv.first().map(String::as_str) == Some("sweep") {
-        return sweep::main(&argv[1..]);
-    }
-    if argv.first().map(String::as_str) == Some("file") {
-        return file::main(&argv[1..]);
-    }
-    let a = args::parse(argv)?;
+fn run(mode: Mode) -> Res<()> {
+    let a = match mode {
+        Mode::Perf(a) => a,
+        Mode::Sweep(w) => return sweep::main(w),
+        Mode::File(f) => return file::main(f),
+    };
     let ncpu = rixl::runtime::available_cpus().len();
     let Some(host) = a.server.clone() else {
         // The server sits on the last CPU so a client on the same host (first CPU) does not
@@ -816,8 +814,8 @@ fn main() {
         .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
         .with_writer(std::io::stderr)
         .try_init();
-    let argv: Vec<String> = std::env::args().skip(1).collect();
-    if let Err(e) = run(&argv) {
+    let mode = args::parse(std::env::args_os()).unwrap_or_else(|e| args::exit(&e));
+    if let Err(e) = run(mode) {
         eprintln!("rixl-perf: {e}");
         std::process::exit(1);
     }

@@ -11,20 +11,6 @@ pub struct Oob {
     writer: TcpStream,
 }
 
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Result<Vec<u8>, String> {
-    if !s.len().is_multiple_of(2) {
-        return Err(format!("odd hex length in {s:?}"));
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).map_err(|e| format!("bad hex {s:?}: {e}")))
-        .collect()
-}
-
 impl Oob {
     pub fn new(s: TcpStream) -> std::io::Result<Oob> {
         s.set_nodelay(true)?;
@@ -58,12 +44,13 @@ impl Oob {
     }
 
     pub fn send_endpoint(&mut self, ep: &Endpoint) -> Result<(), String> {
-        self.send(&format!("EP {}", hex(&ep.to_bytes())))
+        self.send(&format!("EP {}", hex::encode(ep.to_bytes())))
     }
 
     pub fn recv_endpoint(&mut self) -> Result<Endpoint, String> {
         let f = self.expect("EP")?;
-        let bytes = unhex(f.first().ok_or("EP without value")?)?;
+        let v = f.first().ok_or("EP without value")?;
+        let bytes = hex::decode(v).map_err(|e| format!("bad hex {v:?}: {e}"))?;
         Endpoint::from_bytes(&bytes).map_err(|e| e.to_string())
     }
 }
@@ -128,7 +115,29 @@ mod tests {
         );
         assert!(Hello::parse("GET / HTTP/1.1").is_err());
         assert!(Hello::parse("RIXL-PERF 2 write_bw 1 1 1 1").is_err());
-        assert_eq!(unhex(&hex(&[0, 255, 16])).expect("hex"), vec![0, 255, 16]);
-        assert!(unhex("abc").is_err());
+    }
+
+    #[test]
+    fn endpoints_cross_as_hex() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("listen");
+        let mut a = Oob::new(TcpStream::connect(l.local_addr().expect("addr")).expect("connect"))
+            .expect("oob");
+        let mut b = Oob::new(l.accept().expect("accept").0).expect("oob");
+        let ep = Endpoint {
+            qpn: 0x12_3456,
+            psn: 0xab_cdef,
+            lid: 7,
+            gid: rixl::verbs::Gid([0xfe; 16]),
+            mtu: rixl::verbs::Mtu::Mtu1024,
+        };
+        a.send_endpoint(&ep).expect("send");
+        assert_eq!(b.recv_endpoint().expect("recv"), ep);
+        a.send(&format!("EP {}", hex::encode(ep.to_bytes()).to_uppercase()))
+            .expect("send");
+        assert_eq!(b.recv_endpoint().expect("upper-case hex"), ep);
+        for bad in ["EP abc", "EP zz", "EP", "EP 00"] {
+            a.send(bad).expect("send");
+            assert!(b.recv_endpoint().is_err(), "{bad}");
+        }
     }
 }

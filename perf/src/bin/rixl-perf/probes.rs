@@ -6,6 +6,7 @@
 use rixl::runtime::probe::{self, Point};
 
 use super::cycles::Stopwatch;
+use super::stats::Durations;
 
 /// The spans, in path order: (name, from, to). `None` is the ping's own stamps.
 const SPANS: [(&str, Option<Point>, Option<Point>); 9] = [
@@ -85,13 +86,9 @@ impl Breakdown {
         );
         for (k, (name, ..)) in SPANS.iter().enumerate() {
             let v: Vec<u64> = self.rounds.iter().map(|r| r[k]).collect();
-            let mut d: Vec<f64> = sw
-                .durations(&v)
-                .iter()
-                .map(|x| x.as_secs_f64() * 1e6)
-                .collect();
-            d.sort_by(f64::total_cmp);
-            if let Some(m) = d.get(d.len() / 2) {
+            let d: Durations = sw.durations(&v).into_iter().collect();
+            if !d.is_empty() {
+                let m = d.quantile_us(0.5);
                 eprintln!("PROBE {k:2} median {m:7.2} us  {name}");
             }
         }

@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use hdrhistogram::Histogram;
+
 /// One bandwidth result row.
 #[derive(Debug, Clone, Copy)]
 pub struct BwRow {
@@ -94,41 +96,93 @@ pub fn lat_line(r: &LatRow) -> String {
     )
 }
 
-/// Nearest-rank percentile `p` (0..=1) of ascending `sorted` samples; 0 when there are none.
-pub fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
+/// Durations (recorded in nanoseconds, 3 significant digits) and their statistics in
+/// microseconds, from an HDR histogram.
+#[derive(Debug, Clone)]
+pub struct Durations(Histogram<u64>);
+
+impl Default for Durations {
+    fn default() -> Self {
+        // An auto-resizing histogram from 1 ns; 3 significant digits are always valid.
+        Durations(Histogram::new(3).expect("a histogram of 3 significant digits"))
     }
-    sorted[(((sorted.len() as f64) * p).ceil() as usize).clamp(1, sorted.len()) - 1]
 }
 
-/// Sorts `v` and takes its percentile `p`.
-pub fn pct(v: &mut [f64], p: f64) -> f64 {
-    v.sort_by(f64::total_cmp);
-    percentile(v, p)
+impl FromIterator<Duration> for Durations {
+    fn from_iter<I: IntoIterator<Item = Duration>>(it: I) -> Self {
+        let mut h = Durations::default();
+        for d in it {
+            h.record(d);
+        }
+        h
+    }
 }
 
-/// Latency statistics of `samples`, each divided by `div` (2 for ping-pong one-way figures).
+fn us(ns: u64) -> f64 {
+    ns as f64 / 1e3
+}
+
+impl Durations {
+    pub fn record(&mut self, d: Duration) {
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        if self.0.record(ns).is_err() {
+            // Beyond what the histogram can grow to: counted at its highest value.
+            self.0.saturating_record(ns);
+        }
+    }
+
+    /// How many durations were recorded.
+    pub fn len(&self) -> u64 {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The shortest (to the histogram's precision); 0 when there are none.
+    pub fn min_us(&self) -> f64 {
+        us(self.0.min())
+    }
+
+    /// The longest (to the histogram's precision); 0 when there are none.
+    pub fn max_us(&self) -> f64 {
+        if self.is_empty() {
+            0.0
+        } else {
+            us(self.0.max())
+        }
+    }
+
+    pub fn mean_us(&self) -> f64 {
+        self.0.mean() / 1e3
+    }
+
+    /// Standard deviation (of the population).
+    pub fn stdev_us(&self) -> f64 {
+        self.0.stdev() / 1e3
+    }
+
+    /// Nearest-rank quantile `q` (0..=1); 0 when there are none.
+    pub fn quantile_us(&self, q: f64) -> f64 {
+        us(self.0.value_at_quantile(q))
+    }
+}
+
+/// Latency statistics of `samples`, each divided by `div` (2 for ping-pong one-way figures):
+/// t_typical is the median, as perftest's.
 pub fn lat_from(bytes: u64, samples: &[Duration], div: f64) -> LatRow {
-    let mut us: Vec<f64> = samples
-        .iter()
-        .map(|d| d.as_secs_f64() * 1e6 / div)
-        .collect();
-    us.sort_by(f64::total_cmp);
-    let n = us.len().max(1) as f64;
-    let avg = us.iter().sum::<f64>() / n;
-    let var = us.iter().map(|x| (x - avg).powi(2)).sum::<f64>() / n;
-    let pct = |p: f64| percentile(&us, p);
+    let h: Durations = samples.iter().copied().collect();
     LatRow {
         bytes,
-        iters: us.len() as u64,
-        min: us[0],
-        max: us[us.len() - 1],
-        typical: us[us.len() / 2],
-        avg,
-        stdev: var.sqrt(),
-        p99: pct(0.99),
-        p999: pct(0.999),
+        iters: h.len(),
+        min: h.min_us() / div,
+        max: h.max_us() / div,
+        typical: h.quantile_us(0.5) / div,
+        avg: h.mean_us() / div,
+        stdev: h.stdev_us() / div,
+        p99: h.quantile_us(0.99) / div,
+        p999: h.quantile_us(0.999) / div,
     }
 }
 
@@ -176,12 +230,35 @@ mod tests {
         assert!((r.msg_rate - 100.0).abs() < 1e-9);
         assert!(bw_line(&r, false).contains("100.00"));
         assert!(bw_line(&r, true).contains("0.84"), "{}", bw_line(&r, true));
+        // 1..=1000 us round trips, reported one-way: exact where the histogram's buckets are
+        // single nanoseconds (below 2048 ns), else within its 3 significant digits.
         let s: Vec<Duration> = (1..=1000).map(Duration::from_micros).collect();
         let l = lat_from(2, &s, 2.0);
-        let close = |a: f64, b: f64| (a - b).abs() < 1e-9;
-        assert!(close(l.min, 0.5) && close(l.max, 500.0), "{l:?}");
-        assert!(close(l.typical, 250.5), "{l:?}");
+        let close = |a: f64, b: f64| (a - b).abs() <= b * 1e-3;
+        assert_eq!((l.iters, l.min), (1000, 0.5), "{l:?}");
+        assert!(close(l.max, 500.0) && l.max >= 500.0, "{l:?}");
+        assert!(close(l.typical, 250.0), "{l:?}");
+        assert!(close(l.avg, 250.25), "{l:?}");
+        assert!(close(l.stdev, 144.337), "{l:?}");
         assert!(close(l.p99, 495.0) && close(l.p999, 499.5), "{l:?}");
+        // A tail: 1 % of 100 us among 2 us ones moves the 99.9th percentile, not the 99th.
+        let tail: Durations = (0..1000)
+            .map(|i| Duration::from_micros(if i % 100 == 0 { 100 } else { 2 }))
+            .collect();
+        assert_eq!(tail.quantile_us(0.5), 2.0);
+        assert_eq!(tail.quantile_us(0.99), 2.0);
+        assert!(close(tail.quantile_us(0.999), 100.0));
+        assert_eq!((tail.min_us(), tail.len()), (2.0, 1000));
+        let none = Durations::default();
+        assert_eq!(
+            (
+                none.min_us(),
+                none.max_us(),
+                none.mean_us(),
+                none.quantile_us(0.99)
+            ),
+            (0.0, 0.0, 0.0, 0.0)
+        );
         assert!(lat_header().contains("t_typical[usec]") && bw_header(true).contains("Gb/sec"));
         assert!(bw_json(&[r], false).contains("\"BW_average\": 100.00"));
     }

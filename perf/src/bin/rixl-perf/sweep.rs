@@ -11,101 +11,82 @@ use rixl::runtime::{
     TransferOptions, DEFAULT_IO_MEMORY,
 };
 
-use super::stats::pct;
+use super::stats::Durations;
 use super::{on_core, s, Res};
 
-const USAGE: &str = "\
-usage: rixl-perf sweep [options]   (nixlbench flags)
-    --op READ|WRITE                 (default WRITE)
-    --start_block_size <B>          (default 4096)
-    --max_block_size <B>            (default 67108864)
-    --start_batch_size <n>          (default 1)
-    --max_batch_size <n>            (default 1)
-    --num_iter <n>                  (default 1000)
-    --warmup_iter <n>               (default 100)
-    --large_blk_iter_ftr <n>        iterations divided by this above 1 MiB blocks (default 16)
-    --total_buffer_size <B>         (default 268435456; descriptors wrap inside it)
-    -d <dev>, -x <gid index>        device and GID index (default $RIXL_RDMA_DEVICE, $RIXL_GID_INDEX)";
-
-struct Sweep {
-    op: Op,
+/// `rixl-perf sweep`: nixlbench's flags and defaults.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SweepArgs {
+    /// Operation
+    #[arg(long = "op", value_enum, ignore_case = true, default_value_t = SweepOp::Write)]
+    op: SweepOp,
+    /// First block size in bytes (doubled up to --max_block_size)
+    #[arg(long = "start_block_size", value_name = "B", default_value_t = 4096,
+          value_parser = clap::value_parser!(u64).range(1..))]
     start_block: u64,
+    /// Last block size in bytes
+    #[arg(long = "max_block_size", value_name = "B", default_value_t = 64 << 20)]
     max_block: u64,
+    /// First batch size: descriptors per transfer (doubled up to --max_batch_size)
+    #[arg(long = "start_batch_size", value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u64).range(1..))]
     start_batch: u64,
+    /// Last batch size
+    #[arg(long = "max_batch_size", value_name = "N", default_value_t = 1)]
     max_batch: u64,
+    /// Measured iterations per block and batch size
+    #[arg(long = "num_iter", value_name = "N", default_value_t = 1000,
+          value_parser = clap::value_parser!(u64).range(1..))]
     iters: u64,
+    /// Warm-up iterations (not measured)
+    #[arg(long = "warmup_iter", value_name = "N", default_value_t = 100)]
     warmup: u64,
+    /// Iterations are divided by this above 1 MiB blocks (0 counts as 1)
+    #[arg(long = "large_blk_iter_ftr", value_name = "N", default_value_t = 16)]
     large_factor: u64,
+    /// Registered bytes on each side; descriptors wrap inside it
+    #[arg(long = "total_buffer_size", value_name = "B", default_value_t = 256 << 20)]
     buffer: u64,
+    /// RDMA device [default: $RIXL_RDMA_DEVICE, else the first]
+    #[arg(short = 'd', value_name = "DEV")]
     device: Option<String>,
+    /// GID index [default: $RIXL_GID_INDEX]
+    #[arg(short = 'x', value_name = "IDX")]
     gid: Option<u32>,
 }
 
-fn parse(argv: &[String]) -> Res<Sweep> {
-    let mut w = Sweep {
-        op: Op::Write,
-        start_block: 4096,
-        max_block: 64 << 20,
-        start_batch: 1,
-        max_batch: 1,
-        iters: 1000,
-        warmup: 100,
-        large_factor: 16,
-        buffer: 256 << 20,
-        device: None,
-        gid: None,
-    };
-    let mut it = argv.iter();
-    while let Some(a) = it.next() {
-        let (flag, inline) = match a.split_once('=') {
-            Some((f, v)) => (f, Some(v.to_string())),
-            None => (a.as_str(), None),
-        };
-        let mut v = || -> Res<String> {
-            inline
-                .clone()
-                .or_else(|| it.next().cloned())
-                .ok_or(format!("{flag} needs a value"))
-        };
-        let mut n = || -> Res<u64> { v()?.parse().map_err(|_| format!("{flag}: not a number")) };
-        match flag {
-            "--op" => {
-                w.op = match v()?.to_ascii_uppercase().as_str() {
-                    "READ" => Op::Read,
-                    "WRITE" => Op::Write,
-                    o => return Err(format!("--op READ or WRITE, not {o}")),
-                }
-            }
-            "--start_block_size" => w.start_block = n()?,
-            "--max_block_size" => w.max_block = n()?,
-            "--start_batch_size" => w.start_batch = n()?,
-            "--max_batch_size" => w.max_batch = n()?,
-            "--num_iter" => w.iters = n()?,
-            "--warmup_iter" => w.warmup = n()?,
-            "--large_blk_iter_ftr" => w.large_factor = n()?.max(1),
-            "--total_buffer_size" => w.buffer = n()?,
-            "-d" => w.device = Some(v()?),
-            "-x" => w.gid = Some(n()? as u32),
-            "-h" | "--help" => return Err(USAGE.into()),
-            f => return Err(format!("unknown option {f}\n{USAGE}")),
-        }
-    }
-    if w.start_block == 0
-        || w.start_block > w.max_block
-        || w.start_batch == 0
-        || w.start_batch > w.max_batch
-        || w.iters == 0
-    {
-        return Err(format!("inconsistent sizes\n{USAGE}"));
-    }
-    if w.max_block > w.buffer {
-        return Err("--max_block_size exceeds --total_buffer_size".into());
-    }
-    Ok(w)
+/// `--op`'s values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum SweepOp {
+    #[value(name = "READ")]
+    Read,
+    #[value(name = "WRITE")]
+    Write,
 }
 
-pub fn main(argv: &[String]) -> Res<()> {
-    let w = parse(argv)?;
+impl SweepArgs {
+    /// The checks that involve several flags.
+    pub fn check(&self) -> Res<()> {
+        if self.start_block > self.max_block || self.start_batch > self.max_batch {
+            return Err(
+                "inconsistent sizes: --start_block_size above --max_block_size or \
+                 --start_batch_size above --max_batch_size"
+                    .into(),
+            );
+        }
+        if self.max_block > self.buffer {
+            return Err("--max_block_size exceeds --total_buffer_size".into());
+        }
+        Ok(())
+    }
+}
+
+pub fn main(w: SweepArgs) -> Res<()> {
+    let op = match w.op {
+        SweepOp::Read => Op::Read,
+        SweepOp::Write => Op::Write,
+    };
+    let large_factor = w.large_factor.max(1);
     let mut cfg = EngineConfig::from_env();
     cfg.timing = true; // prepare / post / transfer columns
     if w.device.is_some() {
@@ -160,40 +141,43 @@ pub fn main(argv: &[String]) -> Res<()> {
                         }
                         let remote = RemoteDescList(remote);
                         let iters = if block > (1 << 20) {
-                            (w.iters / w.large_factor).max(1)
+                            (w.iters / large_factor).max(1)
                         } else {
                             w.iters
                         };
                         for _ in 0..w.warmup.min(iters) {
-                            e.transfer(conn, w.op, &local, &remote, TransferOptions::default())
+                            e.transfer(conn, op, &local, &remote, TransferOptions::default())
                                 .await
                                 .map_err(s)?;
                         }
-                        let (mut prep, mut post, mut tx) = (Vec::new(), Vec::new(), Vec::new());
+                        let (mut prep, mut post, mut tx) = (
+                            Durations::default(),
+                            Durations::default(),
+                            Durations::default(),
+                        );
                         let t0 = Instant::now();
                         for _ in 0..iters {
                             let st = e
-                                .transfer(conn, w.op, &local, &remote, TransferOptions::default())
+                                .transfer(conn, op, &local, &remote, TransferOptions::default())
                                 .await
                                 .map_err(s)?;
-                            prep.push(st.prepare.as_secs_f64() * 1e6);
-                            post.push(st.post.as_secs_f64() * 1e6);
-                            tx.push(st.total.as_secs_f64() * 1e6);
+                            prep.record(st.prepare);
+                            post.record(st.post);
+                            tx.record(st.total);
                         }
                         let el = t0.elapsed().as_secs_f64();
-                        let avg = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
                         println!(
                             "{:>14} | {:>10} | {:>12.6} | {:>13.3} | {:>12.3} | {:>12.3} | {:>12.3} | {:>12.3} | {:>12.3} | {:>12.3} | {:>12.0}",
                             block,
                             batch,
                             (iters * batch * block) as f64 / el / 1e9,
                             el * 1e6 / (iters * batch) as f64,
-                            avg(&prep),
-                            pct(&mut prep, 0.99),
-                            avg(&post),
-                            pct(&mut post, 0.99),
-                            avg(&tx),
-                            pct(&mut tx, 0.99),
+                            prep.mean_us(),
+                            prep.quantile_us(0.99),
+                            post.mean_us(),
+                            post.quantile_us(0.99),
+                            tx.mean_us(),
+                            tx.quantile_us(0.99),
                             (iters * batch) as f64 / el
                         );
                         batch *= 2;
@@ -215,4 +199,55 @@ pub fn main(argv: &[String]) -> Res<()> {
         .map_err(|_| "sweep thread panicked".to_string())?;
     pool.shutdown();
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::args::{parse, Mode};
+
+    fn p(s: &str) -> Result<SweepArgs, String> {
+        match parse(
+            ["rixl-perf", "sweep"]
+                .into_iter()
+                .chain(s.split_whitespace()),
+        ) {
+            Ok(Mode::Sweep(w)) => Ok(w),
+            Ok(m) => Err(format!("not sweep: {m:?}")),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    #[test]
+    fn nixlbench_flags_and_defaults() {
+        let w = p("").expect("defaults");
+        assert_eq!(
+            (w.op, w.start_block, w.max_block, w.start_batch, w.max_batch),
+            (SweepOp::Write, 4096, 64 << 20, 1, 1)
+        );
+        assert_eq!(
+            (w.iters, w.warmup, w.large_factor, w.buffer),
+            (1000, 100, 16, 256 << 20)
+        );
+        assert!(w.device.is_none() && w.gid.is_none());
+        // perf/tests/rdma_perf.rs's sweep.
+        let w = p("--max_block_size 16384 --max_batch_size 4 --num_iter 20 --warmup_iter 2 --total_buffer_size 1048576")
+            .expect("ok");
+        assert_eq!(
+            (w.max_block, w.max_batch, w.iters, w.warmup, w.buffer),
+            (16384, 4, 20, 2, 1 << 20)
+        );
+        let w =
+            p("--op read --start_block_size=8192 -d rxe0 -x 1 --large_blk_iter_ftr 0").expect("ok");
+        assert_eq!((w.op, w.start_block), (SweepOp::Read, 8192));
+        assert_eq!((w.device.as_deref(), w.gid), (Some("rxe0"), Some(1)));
+        assert_eq!(p("--op READ").expect("ok").op, SweepOp::Read);
+        assert!(p("--op SEND").is_err());
+        assert!(p("--max_block_size 1").is_err(), "below the start block");
+        assert!(p("--start_batch_size 8 --max_batch_size 4").is_err());
+        assert!(p("--start_block_size 0").is_err());
+        assert!(p("--num_iter 0").is_err());
+        assert!(p("--max_block_size 1048576 --total_buffer_size 4096").is_err());
+        assert!(p("--bogus").is_err());
+    }
 }
