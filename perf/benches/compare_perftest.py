@@ -21,7 +21,13 @@ def run_pair(server_cmd, client_cmd, timeout=180):
     srv = subprocess.Popen(server_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(0.7)
     try:
-        out = subprocess.run(client_cmd, capture_output=True, text=True, timeout=timeout)
+        # A slow boot may not have the server listening yet: retry a refused connection.
+        for attempt in range(4):
+            out = subprocess.run(client_cmd, capture_output=True, text=True, timeout=timeout)
+            refused = "connect" in (out.stderr + out.stdout).lower() and srv.poll() is None
+            if out.returncode == 0 or not refused or attempt == 3:
+                break
+            time.sleep(1.0)
     finally:
         try:
             srv.wait(timeout=30)

@@ -59,9 +59,9 @@ impl SendCredits {
         debug_assert!(plan.n <= self.free, "posted past the send queue depth");
         self.free -= plan.n;
         let mut since = plan.since;
-        for i in 0..plan.n {
+        for signaled in plan.flags() {
             since += 1;
-            if plan.is_signaled(i) {
+            if signaled {
                 self.frees.push_back(since);
                 since = 0;
             }
@@ -92,16 +92,69 @@ impl BatchPlan {
         i + 1 == self.n || (self.since + i + 1).is_multiple_of(self.interval)
     }
 
-    /// Number of signaled requests.
-    pub fn signaled(&self) -> u32 {
-        (0..self.n).filter(|&i| self.is_signaled(i)).count() as u32
+    /// The index of the first request signaled for the interval (it may lie past the batch).
+    fn first_interval_signal(&self) -> u32 {
+        self.interval - self.since % self.interval - 1
     }
 
-    /// The flags, for inspection.
-    pub fn flags(&self) -> impl Iterator<Item = bool> + '_ {
-        (0..self.n).map(|i| self.is_signaled(i))
+    /// Number of signaled requests.
+    pub fn signaled(&self) -> u32 {
+        if self.n == 0 {
+            return 0;
+        }
+        let first = self.first_interval_signal();
+        if first >= self.n {
+            return 1;
+        }
+        let tail = self.n - 1 - first;
+        let every = tail / self.interval + 1;
+        every + u32::from(!tail.is_multiple_of(self.interval))
+    }
+
+    /// The flags in order (one division per batch, not per request: this runs for every work
+    /// request posted).
+    pub fn flags(&self) -> Flags {
+        Flags {
+            i: 0,
+            n: self.n,
+            next: self.first_interval_signal(),
+            interval: self.interval,
+        }
     }
 }
+
+/// The signal flags of a [`BatchPlan`], in order.
+#[derive(Debug, Clone)]
+pub struct Flags {
+    i: u32,
+    n: u32,
+    next: u32,
+    interval: u32,
+}
+
+impl Iterator for Flags {
+    type Item = bool;
+
+    fn next(&mut self) -> Option<bool> {
+        if self.i >= self.n {
+            return None;
+        }
+        let i = self.i;
+        self.i += 1;
+        let at_interval = i == self.next;
+        if at_interval {
+            self.next += self.interval;
+        }
+        Some(at_interval || i + 1 == self.n)
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        let left = (self.n - self.i) as usize;
+        (left, Some(left))
+    }
+}
+
+impl ExactSizeIterator for Flags {}
 
 #[cfg(test)]
 mod tests {
@@ -116,6 +169,25 @@ mod tests {
         ];
         assert_eq!(p.flags().collect::<Vec<_>>(), want);
         assert_eq!(p.signaled(), 3);
+    }
+
+    #[test]
+    fn the_flag_iterator_and_count_agree_with_the_rule_for_every_batch_shape() {
+        for interval in 1..=9 {
+            for since in 0..12 {
+                for n in 0..40 {
+                    let p = BatchPlan { n, since, interval };
+                    let rule: Vec<bool> = (0..n).map(|i| p.is_signaled(i)).collect();
+                    assert_eq!(
+                        p.flags().collect::<Vec<_>>(),
+                        rule,
+                        "{n} {since} {interval}"
+                    );
+                    let count = rule.iter().filter(|s| **s).count() as u32;
+                    assert_eq!(p.signaled(), count, "{n} {since} {interval}");
+                }
+            }
+        }
     }
 
     #[test]
