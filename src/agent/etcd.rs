@@ -12,50 +12,22 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use base64::Engine as _;
 use serde_json::{json, Value};
 
 use super::{AgentError, Inner};
 
-const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
-/// Base64 encoding (standard alphabet, padded).
+/// Base64 (standard alphabet, padded), as etcd's JSON gateway carries keys and values.
 pub fn b64(data: &[u8]) -> String {
-    let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
-    for c in data.chunks(3) {
-        let n = (u32::from(c[0]) << 16)
-            | (u32::from(*c.get(1).unwrap_or(&0)) << 8)
-            | u32::from(*c.get(2).unwrap_or(&0));
-        for (i, shift) in [18, 12, 6, 0].into_iter().enumerate() {
-            if i <= c.len() {
-                out.push(B64[((n >> shift) & 63) as usize] as char);
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
+    base64::engine::general_purpose::STANDARD.encode(data)
 }
 
 /// Base64 decoding.
 ///
 /// # Errors
-/// A description of the invalid input.
-pub fn unb64(s: &str) -> Result<Vec<u8>, String> {
-    let mut out = Vec::with_capacity(s.len() / 4 * 3);
-    let (mut acc, mut bits) = (0u32, 0);
-    for ch in s.bytes().filter(|&b| b != b'=') {
-        let v = B64
-            .iter()
-            .position(|&x| x == ch)
-            .ok_or(format!("invalid base64 byte {ch:#x}"))?;
-        acc = (acc << 6) | v as u32;
-        bits += 6;
-        if bits >= 8 {
-            bits -= 8;
-            out.push((acc >> bits) as u8);
-        }
-    }
-    Ok(out)
+/// [`base64::DecodeError`] for invalid input.
+pub fn unb64(s: &str) -> Result<Vec<u8>, base64::DecodeError> {
+    base64::engine::general_purpose::STANDARD.decode(s)
 }
 
 fn err(e: impl std::fmt::Display) -> AgentError {

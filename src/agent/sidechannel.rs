@@ -17,7 +17,7 @@ use crate::verbs::Endpoint;
 
 const MAX_LINE: usize = 256 << 20;
 
-fn unhex(s: &str) -> Result<Vec<u8>, AgentError> {
+fn decode_hex(s: &str) -> Result<Vec<u8>, AgentError> {
     hex::decode(s).map_err(|e| AgentError::SideChannel(format!("bad hex: {e}")))
 }
 
@@ -111,7 +111,7 @@ fn accept_connection(
         return Err(AgentError::SideChannel(format!("no rail {rail} here")));
     }
     let engine = inner.rails.engine(rail).clone();
-    let theirs = Endpoint::from_bytes(&unhex(ep)?).map_err(sc)?;
+    let theirs = Endpoint::from_bytes(&decode_hex(ep)?).map_err(sc)?;
     let (conn, mine) = block_on(engine.prepare_connection())?;
     block_on(engine.complete_connection(conn, theirs))?;
     if let Some(old) = inner.set_conn(requester, rail, conn) {
@@ -131,7 +131,7 @@ pub(super) fn fetch_metadata(me: &str, addr: &str) -> Result<Vec<u8>, AgentError
     if let Some(e) = line.strip_prefix("ERR ") {
         return Err(AgentError::SideChannel(e.to_string()));
     }
-    unhex(&line)
+    decode_hex(&line)
 }
 
 /// The connection to `peer` on rail 0 (see [`ensure_rail`]).
@@ -184,7 +184,7 @@ pub(super) async fn ensure_rail(
             "{peer} refused the connection (rail {rail}): {e}"
         )));
     }
-    let theirs = Endpoint::from_bytes(&unhex(&line)?).map_err(sc)?;
+    let theirs = Endpoint::from_bytes(&decode_hex(&line)?).map_err(sc)?;
     engine.complete_connection(conn, theirs).await?;
     inner.set_conn(peer, rail, conn);
     if rail == 0 {
