@@ -316,6 +316,21 @@ impl<Q: SendQueue> Core<Q> {
         Ok(c.epoch)
     }
 
+    /// The checks of a transfer that come before its descriptors': a notification needs a WRITE,
+    /// and `conn` must exist and not have failed.
+    ///
+    /// # Errors
+    /// [`TransferError::Post`] for a notification on a READ, [`TransferError::Connection`].
+    pub fn check_transfer(
+        &self,
+        conn: ConnId,
+        op: Op,
+        notify_imm: bool,
+    ) -> Result<(), TransferError> {
+        check_notify(op, notify_imm)?;
+        self.live(conn).map(|_| ())
+    }
+
     /// Checks that `conn` is live and still the connection of `epoch` (a prepared transfer's).
     ///
     /// # Errors

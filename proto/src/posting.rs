@@ -115,8 +115,9 @@ impl<Q: SendQueue> Core<Q> {
         }
         if !p.started {
             p.started = true;
+            // A queued transfer must fit one doorbell of the flush.
             if self.cfg.coalesce
-                && plan.wrs.len() <= COALESCE_MAX_WRS
+                && plan.wrs.len() <= COALESCE_MAX_WRS.min(self.cfg.post_batch.max(1) as usize)
                 && p.notify_imm.is_none()
                 && !self.post_at_once(p.conn)
             {
@@ -215,6 +216,11 @@ impl<Q: SendQueue> Core<Q> {
         let c = conns
             .get_mut(p.conn.0 as usize)
             .ok_or_else(|| unknown(p.conn.0))?;
+        // What keeps the memory alive, looked up before anything is pushed (the slot is live while
+        // its posting is open).
+        let keep = inflight
+            .keepalive(p.slot)
+            .ok_or(TransferError::EngineGone)?;
         let n = end - p.next;
         let signals = c.credits.plan(n as u32);
         let last = plan.wrs.len();
@@ -236,11 +242,6 @@ impl<Q: SendQueue> Core<Q> {
             c.queue
                 .push(p.slot.wr_id(signal), op, plan.sges_of(wr), flags);
         }
-        let Some(keep) = inflight.keepalive(p.slot) else {
-            // The slot is gone (cannot happen while its posting is open): post nothing.
-            let _ = c.queue.post(&[]);
-            return Err(TransferError::EngineGone);
-        };
         match c.queue.post(&[keep]) {
             Ok(()) => {
                 let signaled = signals.signaled();

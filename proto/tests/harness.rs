@@ -800,6 +800,20 @@ fn coalescing_never_queues_a_transfer_of_more_than_the_limit() {
 }
 
 #[test]
+fn coalescing_never_queues_a_transfer_larger_than_one_doorbell() {
+    let mut cfg = config();
+    cfg.coalesce = true;
+    cfg.post_batch = 2;
+    let mut fx = Fx::with(cfg, 64);
+    let _first = fx.write(1);
+    // Three requests cannot go in one flush doorbell of two: posted at once, never queued (a
+    // queued one could never be flushed).
+    let big = fx.write(3);
+    assert!(!big.queued());
+    assert!(fx.write(2).queued());
+}
+
+#[test]
 fn coalescing_posts_at_once_again_in_the_next_turn() {
     let mut fx = coalescing();
     let _a = fx.write(1);

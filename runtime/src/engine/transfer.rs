@@ -335,6 +335,8 @@ fn check_and_plan(
     notify_imm: bool,
     plan: &mut Plan,
 ) -> Result<u64, TransferError> {
+    // The notification and the connection are checked before the descriptors.
+    inner.core.borrow().check_transfer(conn, op, notify_imm)?;
     // Most transfers use one or two regions: no heap allocation for them.
     let mut regions: SmallVec<[RegionInfo; 4]> = SmallVec::new();
     for (i, r) in local.regions().iter().enumerate() {
@@ -463,7 +465,7 @@ async fn post_plan(
         let mut core = inner.core.borrow_mut();
         let rung = guard.posting.doorbells();
         let r = core.post(&mut guard.posting, plan, cx);
-        let flush = r.is_ready() && core.take_flush_request(conn);
+        let flush = r.is_ready() && guard.posting.queued() && core.take_flush_request(conn);
         drop(core);
         if guard.posting.doorbells() != rung || (r.is_ready() && !guard.posting.queued()) {
             inner.kick_progress();
