@@ -144,6 +144,8 @@ fn decode_reads_scattered_kv_blocks_and_notifies_prefill() {
         node: String::new(),
         process: 0,
         ipc: vec![],
+        partial: false,
+        removed: vec![],
     }
     .encode()
     .expect("encode");

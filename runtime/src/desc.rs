@@ -1,8 +1,9 @@
 //! Registered regions and descriptor lists.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 
+use futures_channel::oneshot;
 use rixl_gpudirect::GpuRegistration;
 use rixl_verbs::{HostBuffer, OwnedRegistration, RegisteredBuffer, SharedRegistration};
 
@@ -26,11 +27,122 @@ enum Memory {
     Shared(SharedRegistration),
     /// GPU memory not registered with a NIC (a core without one): CUDA IPC and copies only.
     Device(rixl_gpudirect::DeviceMemory),
+    /// A range of host memory inside a registration shared with other regions (the agent's
+    /// registration cache): `view` is this region's memory, `mr` the registration covering it.
+    Cached {
+        mr: SharedMr,
+        view: HostBuffer,
+    },
 }
 
 struct RegionInner {
+    // Dropped first: the memory is deregistered (and, if owned, freed) before `released` wakes
+    // whoever waits for the region to go.
     mem: Memory,
     engine: u64,
+    /// Resolved (by being dropped) once the last handle is gone and the memory deregistered.
+    released: Mutex<Vec<oneshot::Sender<()>>>,
+}
+
+/// Host memory registered once with one engine's NIC and shared by the [`Region`]s of several
+/// registrations ([`SharedMr::view`]): the agent's registration cache. The registration lives
+/// while any region made from it does (the cache itself holds a [`WeakMr`]).
+#[derive(Clone)]
+pub struct SharedMr {
+    inner: Arc<SharedMrInner>,
+}
+
+struct SharedMrInner {
+    reg: SharedRegistration,
+    engine: u64,
+}
+
+/// A [`SharedMr`] that does not keep the registration alive.
+#[derive(Clone, Debug)]
+pub struct WeakMr(Weak<SharedMrInner>);
+
+impl WeakMr {
+    /// The registration, if a region still uses it.
+    pub fn upgrade(&self) -> Option<SharedMr> {
+        self.0.upgrade().map(|inner| SharedMr { inner })
+    }
+}
+
+impl fmt::Debug for SharedMr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedMr")
+            .field("addr", &format_args!("{:#x}", self.addr()))
+            .field("len", &self.len())
+            .field("engine", &self.inner.engine)
+            .finish()
+    }
+}
+
+impl SharedMr {
+    pub(crate) fn new(reg: SharedRegistration, engine: u64) -> Self {
+        SharedMr {
+            inner: Arc::new(SharedMrInner { reg, engine }),
+        }
+    }
+
+    /// Start address of the registered range.
+    pub fn addr(&self) -> u64 {
+        self.inner.reg.addr()
+    }
+
+    /// Length of the registered range.
+    pub fn len(&self) -> u64 {
+        self.inner.reg.len() as u64
+    }
+
+    /// Whether it is empty (never).
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// The engine (protection domain) it is registered with.
+    pub fn engine_id(&self) -> u64 {
+        self.inner.engine
+    }
+
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        self.inner.reg.rkey()
+    }
+
+    /// Whether `addr..addr+len` lies inside the registered range.
+    pub fn covers(&self, addr: u64, len: u64) -> bool {
+        self.inner.reg.region().contains(addr, len)
+    }
+
+    /// Regions using this registration (views, and handles on it such as this one).
+    pub fn regions(&self) -> usize {
+        Arc::strong_count(&self.inner)
+    }
+
+    /// A handle that does not keep the registration alive.
+    pub fn downgrade(&self) -> WeakMr {
+        WeakMr(Arc::downgrade(&self.inner))
+    }
+
+    /// A region of its own for `view`, memory inside the registered range, using this
+    /// registration (no new one is made).
+    ///
+    /// # Errors
+    /// [`InvalidDescriptor::ForeignRegion`] if `view` is not inside the registered range.
+    pub fn view(&self, view: HostBuffer) -> Result<Region, crate::InvalidDescriptor> {
+        if !self.covers(view.addr(), view.len() as u64) {
+            return Err(crate::InvalidDescriptor::ForeignRegion { index: 0 });
+        }
+        let engine = self.inner.engine;
+        Ok(Region::with(
+            Memory::Cached {
+                mr: self.clone(),
+                view,
+            },
+            engine,
+        ))
+    }
 }
 
 impl fmt::Debug for Region {
@@ -47,7 +159,32 @@ impl fmt::Debug for Region {
 impl Region {
     fn with(mem: Memory, engine: u64) -> Self {
         Region {
-            inner: Arc::new(RegionInner { mem, engine }),
+            inner: Arc::new(RegionInner {
+                mem,
+                engine,
+                released: Mutex::new(Vec::new()),
+            }),
+        }
+    }
+
+    /// Resolves once the last handle on this region (descriptor lists and in-flight transfers
+    /// included) is gone and its memory deregistered (and freed, if the region owned it).
+    pub fn released(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let (tx, rx) = oneshot::channel();
+        if let Ok(mut w) = self.inner.released.lock() {
+            w.push(tx);
+        }
+        async move {
+            // The sender is dropped (never used) with the region.
+            let _ = rx.await;
+        }
+    }
+
+    /// The shared registration this region is a view of, if it is one.
+    pub fn shared_mr(&self) -> Option<&SharedMr> {
+        match &self.inner.mem {
+            Memory::Cached { mr, .. } => Some(mr),
+            _ => None,
         }
     }
 
@@ -88,6 +225,7 @@ impl Region {
             Memory::Nic(b) => Some(b.memory()),
             Memory::Host(b) => Some(b),
             Memory::Shared(r) => Some(r.memory()),
+            Memory::Cached { view, .. } => Some(view),
             Memory::Gpu(_) | Memory::Device(_) => None,
         }
     }
@@ -96,7 +234,11 @@ impl Region {
     pub fn nic_buffer(&self) -> Option<&RegisteredBuffer> {
         match &self.inner.mem {
             Memory::Nic(b) => Some(b),
-            Memory::Host(_) | Memory::Gpu(_) | Memory::Shared(_) | Memory::Device(_) => None,
+            Memory::Host(_)
+            | Memory::Gpu(_)
+            | Memory::Shared(_)
+            | Memory::Device(_)
+            | Memory::Cached { .. } => None,
         }
     }
 
@@ -123,6 +265,7 @@ impl Region {
             Memory::Nic(b) => Some(b),
             Memory::Gpu(g) => Some(g),
             Memory::Shared(r) => Some(r),
+            Memory::Cached { mr, .. } => Some(&mr.inner.reg),
             Memory::Host(_) | Memory::Device(_) => None,
         }
     }
@@ -132,7 +275,11 @@ impl Region {
     pub(crate) fn nic_slice(&self) -> &[RegisteredBuffer] {
         match &self.inner.mem {
             Memory::Nic(b) => std::slice::from_ref(b),
-            Memory::Host(_) | Memory::Gpu(_) | Memory::Shared(_) | Memory::Device(_) => &[],
+            Memory::Host(_)
+            | Memory::Gpu(_)
+            | Memory::Shared(_)
+            | Memory::Device(_)
+            | Memory::Cached { .. } => &[],
         }
     }
 

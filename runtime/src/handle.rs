@@ -10,7 +10,7 @@ use futures_channel::{mpsc, oneshot};
 use futures_lite::StreamExt;
 use rixl_verbs::{Endpoint, HostBuffer};
 
-use crate::desc::{LocalDescList, Op, Region, RemoteDescList};
+use crate::desc::{LocalDescList, Op, Region, RemoteDescList, SharedMr};
 use crate::engine::{
     ConnId, Engine, EngineConfig, EngineCounters, Message, PreparedTransfer, TransferOptions,
     TransferStats,
@@ -46,8 +46,9 @@ enum Command {
 }
 
 /// A `Send + Clone` handle to an engine: any thread or task can submit work to the engine that
-/// owns the connection; each call's future resolves on the caller's side. Dropping a call's
-/// future does not cancel the transfer (memory stays registered until the NIC is done).
+/// owns the connection; each call's future resolves on the caller's side. Dropping a
+/// transfer's future cancels it on the core: requests not yet posted are never posted, posted
+/// ones drain, and memory stays registered until the NIC is done.
 #[derive(Clone, Debug)]
 pub struct EngineHandle {
     tx: mpsc::UnboundedSender<Command>,
@@ -77,6 +78,38 @@ impl EngineHandle {
         let run: Job = Box::new(move |served| {
             glommio::spawn_local(async move {
                 let _ = reply.send(job(served).await);
+            })
+            .detach();
+        });
+        self.tx.unbounded_send(Command::Run(run)).ok()?;
+        rx.await.ok()
+    }
+
+    /// As [`Self::on_core`], but the job is cancelled when the caller goes away first: once this
+    /// future is dropped, the job's future is dropped on the core at its next turn (a transfer's
+    /// slot is then detached: requests not yet posted never are, posted ones drain, and the
+    /// in-flight table keeps the memory until they have). A job whose caller is already gone
+    /// when it reaches the core never starts.
+    async fn on_core_or_cancel<T, F, Fut>(&self, job: F) -> Option<T>
+    where
+        T: Send + 'static,
+        F: FnOnce(Served) -> Fut + Send + 'static,
+        Fut: Future<Output = T> + 'static,
+    {
+        let (mut reply, rx) = oneshot::channel();
+        let run: Job = Box::new(move |served| {
+            glommio::spawn_local(async move {
+                let out = futures_lite::future::or(
+                    async {
+                        reply.cancellation().await;
+                        None
+                    },
+                    async { Some(job(served).await) },
+                )
+                .await;
+                if let Some(v) = out {
+                    let _ = reply.send(v);
+                }
             })
             .detach();
         });
@@ -196,6 +229,22 @@ impl EngineHandle {
         .unwrap_or(Err(RuntimeError::EngineGone))
     }
 
+    /// See [`Engine::register_mr`]; [`RuntimeError::NoNic`] on a core without a NIC.
+    ///
+    /// # Errors
+    /// As [`Engine::register_mr`], or [`RuntimeError::EngineGone`].
+    pub async fn register_mr(&self, mem: Arc<HostBuffer>) -> Result<SharedMr, RuntimeError> {
+        self.on_core(move |s| async move { s.rdma(RuntimeError::NoNic)?.register_mr(mem).await })
+            .await
+            .unwrap_or(Err(RuntimeError::EngineGone))
+    }
+
+    /// The caller's host memory as a region of this core registered with no NIC: what a core
+    /// without one serves local tiers (files) from. RDMA refuses it.
+    pub fn unregistered(&self, mem: HostBuffer) -> Region {
+        Region::host(mem, self.id)
+    }
+
     /// See [`Engine::register_gpu`]; on a core without a NIC, plain device memory (for CUDA IPC
     /// and copies; RDMA refuses it).
     ///
@@ -259,7 +308,7 @@ impl EngineHandle {
         remote: RemoteDescList,
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferError> {
-        self.on_core(move |s| async move {
+        self.on_core_or_cancel(move |s| async move {
             s.rdma(TransferError::NoNic)?
                 .transfer(conn, op, &local, &remote, opts)
                 .await
@@ -327,9 +376,9 @@ impl EngineHandle {
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferError> {
         let prepared = Arc::clone(prepared);
-        self.on_core(
-            move |s| async move { s.rdma(TransferError::NoNic)?.post(&prepared, opts).await },
-        )
+        self.on_core_or_cancel(move |s| async move {
+            s.rdma(TransferError::NoNic)?.post(&prepared, opts).await
+        })
         .await
         .unwrap_or(Err(TransferError::EngineGone))
     }

@@ -16,7 +16,9 @@ pub mod preflight;
 pub mod probe;
 pub mod rails;
 
-pub use desc::{LocalDesc, LocalDescList, Op, Region, RemoteDesc, RemoteDescList};
+pub use desc::{
+    LocalDesc, LocalDescList, Op, Region, RemoteDesc, RemoteDescList, SharedMr, WeakMr,
+};
 pub use engine::{
     ConnId, Engine, EngineConfig, EngineCounters, Message, PollMode, PreparedTransfer,
     TransferOptions, TransferStats,

@@ -28,6 +28,10 @@ pub enum AgentError {
         /// The region id.
         region: u64,
     },
+    /// This agent has no such region reachable by the reader (not registered, released, or
+    /// scoped to other agents).
+    #[error("no local region {0} is registered and visible to the reader")]
+    UnknownLocalRegion(u64),
     /// A remote descriptor reaches outside the peer's region.
     #[error("remote descriptor {index}: offset {offset} + length {len} exceeds region {region} of {region_len} bytes")]
     RemoteOutOfRange {
@@ -62,6 +66,38 @@ pub enum AgentError {
     /// A FILE registration failed.
     #[error(transparent)]
     File(#[from] FileError),
+    /// The NIC refused to register caller memory: `EFAULT` for an unmapped range or read-only
+    /// memory (every registration allows local and remote writes), `ENOMEM` past the memlock
+    /// limit.
+    #[error("memory at {addr:#x} ({len} bytes) cannot be registered: {source}")]
+    BadMemory {
+        /// Start address.
+        addr: u64,
+        /// Length.
+        len: u64,
+        /// The registration's OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A registration would overlap a live one without either containing the other (see the
+    /// registration cache in [`crate::agent::Agent::register_host`]).
+    #[error("memory at {addr:#x} ({len} bytes) partly overlaps the live registration of {existing_len} bytes at {existing:#x}; register the union or disjoint ranges")]
+    OverlappingRegistration {
+        /// Start address asked for.
+        addr: u64,
+        /// Length asked for.
+        len: u64,
+        /// Start of the live registration.
+        existing: u64,
+        /// Its length.
+        existing_len: u64,
+    },
+    /// The transfer was cancelled ([`crate::agent::Transfer::cancel`]).
+    #[error("the transfer was cancelled")]
+    Cancelled,
+    /// The transfer's result was already taken.
+    #[error("the transfer's result was already taken")]
+    ResultTaken,
     /// A CUDA IPC copy (same-node GPU path) failed.
     #[error(transparent)]
     Ipc(#[from] crate::nvlink::ipc::IpcError),

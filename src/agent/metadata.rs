@@ -4,9 +4,10 @@
 //! ```text
 //! "RIXLMD" | version u16 | total length u32 | name (u16 len + utf8) | generation u64
 //!          | side-channel address (u16 len + utf8) | node (u16 len + utf8) | process u32
-//!          | rails u8 | region count u32
+//!          | rails u8 | flags u8 | region count u32
 //!          | regions: id u64, addr u64, len u64, rkey u32 per rail, kind u8
 //!          | IPC export count u32 | exports: region id u64, GPU ordinal u32, handle 64 bytes
+//!          | removed count u32 | removed region ids u64
 //!          | FNV-1a 64 of everything before
 //! ```
 //!
@@ -14,11 +15,13 @@
 //! rails (one rkey per NIC the agent stripes over) and the CUDA IPC exports of VRAM regions;
 //! version 1 blobs (one rkey, none of these) are still read.
 //!
-//! ```text
-//! ```
+//! Version 3 added partial metadata (flags bit 0): a blob with only some regions
+//! (`getLocalPartialMD`), merged into what the reader already holds of the same agent
+//! generation, and the ids of regions the agent has released since. Version 2 blobs are
+//! still read (as full metadata).
 
 /// Current format version.
-pub const VERSION: u16 = 2;
+pub const VERSION: u16 = 3;
 /// Most rails (NICs) a region can be registered on.
 pub const MAX_RAILS: usize = 8;
 const MAGIC: &[u8; 6] = b"RIXLMD";
@@ -86,6 +89,11 @@ pub struct AgentMetadata {
     pub process: u32,
     /// CUDA IPC handles of its VRAM regions (for peers on the same node).
     pub ipc: Vec<IpcExport>,
+    /// Whether the blob carries only some regions: merged into the metadata already loaded for
+    /// the same generation instead of replacing it.
+    pub partial: bool,
+    /// Regions released since (partial blobs): the reader forgets them.
+    pub removed: Vec<u64>,
 }
 
 /// A VRAM region's CUDA IPC handle.
@@ -166,8 +174,11 @@ impl AgentMetadata {
             + 1
             + 4
             + self.regions.len() * region_bytes(rails)
+            + 1
             + 4
             + self.ipc.len() * IPC_BYTES
+            + 4
+            + self.removed.len() * 8
             + 8;
         if size > MAX_BLOB {
             return Err(MetadataError::TooLarge(format!("{size} bytes")));
@@ -182,6 +193,7 @@ impl AgentMetadata {
         put_str(&mut out, &self.node);
         out.extend_from_slice(&self.process.to_be_bytes());
         out.push(rails as u8);
+        out.push(u8::from(self.partial));
         out.extend_from_slice(&(self.regions.len() as u32).to_be_bytes());
         for r in &self.regions {
             out.extend_from_slice(&r.id.to_be_bytes());
@@ -200,6 +212,10 @@ impl AgentMetadata {
             out.extend_from_slice(&x.region.to_be_bytes());
             out.extend_from_slice(&x.gpu.to_be_bytes());
             out.extend_from_slice(&x.handle);
+        }
+        out.extend_from_slice(&(self.removed.len() as u32).to_be_bytes());
+        for id in &self.removed {
+            out.extend_from_slice(&id.to_be_bytes());
         }
         let sum = fnv(&out);
         out.extend_from_slice(&sum.to_be_bytes());
@@ -222,7 +238,7 @@ impl AgentMetadata {
             return Err(MetadataError::BadMagic);
         }
         let version = u16::from_be_bytes([b[6], b[7]]);
-        if version != VERSION && version != 1 {
+        if !(1..=VERSION).contains(&version) {
             return Err(MetadataError::IncompatibleVersion(version));
         }
         let total = u32::from_be_bytes([b[8], b[9], b[10], b[11]]) as usize;
@@ -264,8 +280,21 @@ impl AgentMetadata {
         if rails == 0 || rails > MAX_RAILS {
             return Err(MetadataError::Invalid(format!("{rails} rails")));
         }
+        let partial = if version >= 3 {
+            match r.u8()? {
+                0 => false,
+                1 => true,
+                f => return Err(MetadataError::Invalid(format!("flags {f:#x}"))),
+            }
+        } else {
+            false
+        };
         let count = r.u32()? as usize;
-        let ipc_tail = if version == 1 { 0 } else { 4 };
+        let ipc_tail = match version {
+            1 => 0,
+            2 => 4,
+            _ => 8,
+        };
         if count
             .saturating_mul(region_bytes(rails))
             .saturating_add(ipc_tail)
@@ -303,7 +332,13 @@ impl AgentMetadata {
         let mut ipc = Vec::new();
         if version != 1 {
             let n = r.u32()? as usize;
-            if n.saturating_mul(IPC_BYTES) != body.len() - r.at {
+            let rest = body.len() - r.at;
+            let fits = if version == 2 {
+                n.saturating_mul(IPC_BYTES) == rest
+            } else {
+                n.saturating_mul(IPC_BYTES).saturating_add(4) <= rest
+            };
+            if !fits {
                 return Err(MetadataError::Invalid(format!(
                     "{n} IPC exports do not fit the blob"
                 )));
@@ -329,6 +364,18 @@ impl AgentMetadata {
                 });
             }
         }
+        let mut removed = Vec::new();
+        if version >= 3 {
+            let n = r.u32()? as usize;
+            if n.saturating_mul(8) != body.len() - r.at {
+                return Err(MetadataError::Invalid(format!(
+                    "{n} removed regions do not fit the blob"
+                )));
+            }
+            for _ in 0..n {
+                removed.push(r.u64()?);
+            }
+        }
         Ok(AgentMetadata {
             name,
             generation,
@@ -338,6 +385,8 @@ impl AgentMetadata {
             node,
             process,
             ipc,
+            partial,
+            removed,
         })
     }
 }
@@ -410,7 +459,33 @@ mod tests {
             node: "boot-1234/host-a".into(),
             process: 4242,
             ipc: vec![],
+            partial: false,
+            removed: vec![],
         }
+    }
+
+    #[test]
+    fn partial_metadata_round_trips_with_removed_regions_and_bad_flags_are_refused() {
+        let m = AgentMetadata {
+            partial: true,
+            regions: sample().regions[1..2].to_vec(),
+            removed: vec![7, 9],
+            ..sample()
+        };
+        let blob = m.encode().expect("encode");
+        assert_eq!(AgentMetadata::decode(&blob).expect("decode"), m);
+        // The flags byte: after the header, name, generation, address, node, process, rails.
+        let at = 12 + 2 + m.name.len() + 8 + 2 + m.address.len() + 2 + m.node.len() + 4 + 1;
+        assert_eq!(blob[at], 1);
+        let mut bad = blob.clone();
+        bad[at] = 2;
+        let body = bad.len() - 8;
+        let sum = fnv(&bad[..body]);
+        bad[body..].copy_from_slice(&sum.to_be_bytes());
+        assert!(matches!(
+            AgentMetadata::decode(&bad),
+            Err(MetadataError::Invalid(_))
+        ));
     }
 
     #[test]
@@ -460,11 +535,11 @@ mod tests {
             AgentMetadata::decode(b"GET / HTTP/1.1\r\n\r\n"),
             Err(MetadataError::BadMagic)
         );
-        let mut v3 = blob.clone();
-        v3[7] = 3;
+        let mut v4 = blob.clone();
+        v4[7] = 4;
         assert_eq!(
-            AgentMetadata::decode(&v3),
-            Err(MetadataError::IncompatibleVersion(3))
+            AgentMetadata::decode(&v4),
+            Err(MetadataError::IncompatibleVersion(4))
         );
         let mut forged = blob.clone();
         let n = forged.len();
@@ -501,13 +576,13 @@ mod tests {
             process: 0,
             ..one
         };
-        let v2 = one.encode().expect("encode");
-        // Rebuild it as version 1: drop node, process and rails after the address and the
-        // empty IPC section at the end, then fix the length and sum.
+        let v3 = one.encode().expect("encode");
+        // Rebuild it as version 1: drop node, process, rails and flags after the address and
+        // the empty IPC and removed sections at the end, then fix the length and sum.
         let addr_end = 12 + 2 + one.name.len() + 8 + 2 + one.address.len();
-        let mut v1 = v2[..v2.len() - 8 - 4].to_vec();
-        let removed: Vec<u8> = v1.drain(addr_end..addr_end + 2 + 4 + 1).collect();
-        assert_eq!(removed, [0, 0, 0, 0, 0, 0, 1]);
+        let mut v1 = v3[..v3.len() - 8 - 4 - 4].to_vec();
+        let removed: Vec<u8> = v1.drain(addr_end..addr_end + 2 + 4 + 1 + 1).collect();
+        assert_eq!(removed, [0, 0, 0, 0, 0, 0, 1, 0]);
         v1[7] = 1;
         let total = (v1.len() + 8) as u32;
         v1[8..12].copy_from_slice(&total.to_be_bytes());

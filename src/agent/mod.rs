@@ -10,9 +10,11 @@
 //!   transport (RDMA, CUDA IPC, FILE) is picked per descriptor pair;
 //! - notifications.
 
+mod cache;
 mod config;
 pub(crate) mod error;
 pub mod etcd;
+mod handle;
 pub mod metadata;
 mod notify;
 mod peers;
@@ -34,8 +36,9 @@ use snapshot::{lock, Snapshot};
 pub use crate::runtime::{STRIPE_MIN, STRIPE_SLICE};
 pub use config::{AgentConfig, RemoteRef, Visibility};
 pub use error::AgentError;
+pub use handle::{CallOptions, Transfer, TransferStatus};
 pub use notify::{Notification, Notifications, MAX_NOTIFICATION};
-pub use registry::{FileRegistration, Registration};
+pub use registry::{FileRegistration, MemoryInfo, Registration, RegistrationCounters, Released};
 pub use requests::{PreparedLocal, PreparedRemote, TransferRequest};
 
 pub(crate) struct Inner {
@@ -46,6 +49,8 @@ pub(crate) struct Inner {
     /// The engines' pools, rail 0 first (taken on shutdown).
     pools: Mutex<Vec<EnginePool>>,
     regs: Snapshot<registry::Registrations>,
+    /// Live NIC registrations of caller memory by address (the registration cache).
+    cache: Mutex<registry::MrCache>,
     next_id: AtomicU64,
     /// This machine's identity in metadata (boot id and host name).
     node: String,
@@ -114,6 +119,7 @@ impl Agent {
                 rails: Rails::new(engines),
                 pools: Mutex::new(pools),
                 regs: Snapshot::new(Default::default()),
+                cache: Mutex::new(Default::default()),
                 next_id: AtomicU64::new(1),
                 ipc: IpcPaths::new(node.clone(), std::process::id()),
                 node,

@@ -148,9 +148,38 @@ impl Peer {
     }
 }
 
+/// Partial metadata `update` merged into `known` (the same agent generation): its regions added
+/// or replaced, its removed regions forgotten, the rest kept.
+fn merge(known: &AgentMetadata, mut update: AgentMetadata) -> AgentMetadata {
+    let replaced =
+        |id: u64| update.removed.contains(&id) || update.regions.iter().any(|r| r.id == id);
+    let mut regions: Vec<RegionInfo> = known
+        .regions
+        .iter()
+        .filter(|r| !replaced(r.id))
+        .copied()
+        .collect();
+    let mut ipc: Vec<_> = known
+        .ipc
+        .iter()
+        .filter(|x| !replaced(x.region))
+        .copied()
+        .collect();
+    regions.append(&mut update.regions);
+    ipc.append(&mut update.ipc);
+    AgentMetadata {
+        regions,
+        ipc,
+        partial: false,
+        removed: Vec::new(),
+        ..update
+    }
+}
+
 impl Agent {
     /// Loads a peer's metadata blob; returns the peer's name. A blob with a new generation (the
-    /// peer restarted) replaces the old one and drops the old connection.
+    /// peer restarted) replaces the old one and drops the old connection. A partial blob
+    /// ([`Self::local_partial_metadata`]) of the generation already loaded is merged into it.
     ///
     /// ```no_run
     /// # fn f(prefill: &rixl::agent::Agent, decode: &rixl::agent::Agent)
@@ -169,6 +198,10 @@ impl Agent {
         let stale = self.inner.peers.update(|peers| {
             let old = peers.get(&name).cloned().unwrap_or_default();
             let rejoined = old.generation().is_some_and(|g| g != md.generation);
+            let md = match (&old.metadata, md.partial) {
+                (Some(known), true) if !rejoined => merge(known, md),
+                _ => md,
+            };
             let mut p = old.with_metadata(md);
             let stale = if rejoined { p.take_conns() } else { Vec::new() };
             peers.insert(name.clone(), Arc::new(p));
@@ -239,6 +272,35 @@ impl Agent {
         ttl: std::time::Duration,
     ) -> Result<(), AgentError> {
         super::etcd::join(&self.inner, self.clone(), endpoint, namespace, ttl)
+    }
+
+    /// Checks that `peer`'s metadata is loaded and grants us every region of `regions` (NIXL's
+    /// `checkRemoteMD`): what a caller waits on after sending partial metadata or joining.
+    ///
+    /// # Errors
+    /// [`AgentError::UnknownPeer`] if nothing of the peer is loaded,
+    /// [`AgentError::UnknownRegion`] for the first region it does not grant us.
+    pub fn check_remote_metadata(&self, peer: &str, regions: &[u64]) -> Result<(), AgentError> {
+        let p = self.inner.peer(peer)?;
+        match regions.iter().find(|id| !p.regions.contains_key(id)) {
+            Some(&missing) => Err(AgentError::unknown_region(peer, missing)),
+            None => Ok(()),
+        }
+    }
+
+    /// Connects to `peer` now, on every rail (NIXL's `makeConnection`), so the first transfer
+    /// pays no connection set-up. Rails already connected are kept; concurrent callers and
+    /// transfers share the connections made.
+    ///
+    /// # Errors
+    /// [`AgentError::UnknownPeer`], or a side-channel or connection error.
+    pub async fn connect(&self, peer: &str) -> Result<(), AgentError> {
+        let p = self.inner.peer(peer)?;
+        let rails = self.inner.rails.len().min(self.inner.peer_rails(&p)).max(1);
+        for rail in 0..rails {
+            sidechannel::ensure_rail(&self.inner, peer, rail).await?;
+        }
+        Ok(())
     }
 
     /// Names of the peers whose metadata is loaded.

@@ -6,7 +6,13 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 
 use crate::nvlink::ipc::IpcHandle;
-use crate::runtime::{FileInfo, FileSpec, LocalDescList, RailKeys, Region, TransferError};
+use crate::runtime::{
+    FileInfo, FileSpec, LocalDescList, RailKeys, Region, RuntimeError, SharedMr, TransferError,
+    WeakMr,
+};
+use crate::verbs::HostBuffer;
+
+use super::cache::{IntervalCache, Lookup, Span};
 
 use super::config::Visibility;
 use super::metadata::{AgentMetadata, IpcExport, MemKind, RegionInfo, MAX_RAILS};
@@ -34,6 +40,61 @@ pub(crate) struct Reg {
 
 /// Registrations by id.
 pub(crate) type Registrations = BTreeMap<u64, Arc<Reg>>;
+
+/// The registration cache with its counters.
+#[derive(Debug, Default)]
+pub(crate) struct MrCache {
+    /// Each entry: the memory region on every rail (rail 0 first).
+    index: IntervalCache<Vec<WeakMr>>,
+    counters: RegistrationCounters,
+}
+
+/// How the registration cache has served [`Agent::register_host`] (counted per memory region:
+/// one per rail).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RegistrationCounters {
+    /// Memory regions made (`ibv_reg_mr`, pinning the pages).
+    pub made: u64,
+    /// Registrations served by a live memory region that contained them.
+    pub reused: u64,
+    /// Registrations refused because they partly overlap a live one.
+    pub overlaps: u64,
+}
+
+/// A live registration as [`Agent::query_memory`] finds it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MemoryInfo {
+    /// The registration's id (the region peers address).
+    pub id: u64,
+    /// DRAM or VRAM.
+    pub kind: MemKind,
+    /// Start of the registration.
+    pub addr: u64,
+    /// Its length.
+    pub len: u64,
+    /// Where the queried range starts inside it.
+    pub offset: u64,
+    /// Rails (NICs) it is registered on.
+    pub rails: usize,
+    /// Whether it is registered with a NIC (peers can reach it by RDMA).
+    pub nic: bool,
+    /// Whether its memory region also serves other registrations (the registration cache).
+    pub shared: bool,
+    /// Whether it is exported for CUDA IPC.
+    pub cuda_ipc: bool,
+}
+
+/// What [`Registration::release`] found once it resolved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Released {
+    /// Whether the memory regions the registration used are deregistered. False when another
+    /// live registration (the cache) still uses them: the memory stays pinned until that one
+    /// is released too.
+    pub deregistered: bool,
+}
 
 /// A registration: memory of this agent, visible to peers as region `id()`. The memory stays
 /// registered while any handle or in-flight transfer uses it.
@@ -74,6 +135,38 @@ impl Registration {
     /// The registered region (for local descriptor lists and data access).
     pub fn region(&self) -> &Region {
         &self.inner.region
+    }
+
+    /// Releases the registration: peers can no longer address it (it leaves this agent's
+    /// metadata at once) and the future resolves when nothing uses it any more and its memory
+    /// regions are deregistered, so the owner of the memory may free it (memory the
+    /// registration owns is freed by then).
+    ///
+    /// It waits for every in-flight transfer that uses the memory (posted work drains; the NIC
+    /// is done with it when this resolves), and for every other handle on it: clones of this
+    /// handle, descriptor lists and prepared requests naming it. Dropping a registration
+    /// without releasing it is safe too: its memory stays registered until the last in-flight
+    /// use ends.
+    pub async fn release(self) -> Released {
+        let mut regions = vec![self.inner.region.clone()];
+        if let Some(agent) = self.inner.agent.upgrade() {
+            if let Some(reg) = agent.regs.load().get(&self.inner.id) {
+                regions.extend(reg.rails.iter().cloned());
+            }
+        }
+        let mrs: Vec<WeakMr> = regions
+            .iter()
+            .filter_map(|r| r.shared_mr().map(SharedMr::downgrade))
+            .collect();
+        let waits: Vec<_> = regions.iter().map(Region::released).collect();
+        drop(regions);
+        drop(self);
+        for w in waits {
+            w.await;
+        }
+        Released {
+            deregistered: mrs.iter().all(|m| m.upgrade().is_none()),
+        }
     }
 }
 
@@ -189,6 +282,123 @@ impl Agent {
         }))
     }
 
+    /// Registers host memory the caller already owns (a serving engine's KV cache or weights),
+    /// visible per `visibility`; peers address it as region `id()`, offsets from its start.
+    ///
+    /// `mem` is [`HostBuffer::from_vec`], [`HostBuffer::from_boxed`], [`HostBuffer::from_mmap`]
+    /// (a shared-memory file or huge pages too), [`HostBuffer::from_static`], or, for memory
+    /// known only by address and length (NIXL's `registerMem`), the `unsafe`
+    /// [`HostBuffer::from_raw`], whose contract is that the range stays mapped until
+    /// [`Registration::release`] has resolved.
+    ///
+    /// **Registration cache.** A range equal to, or inside, a live registration reuses its
+    /// memory regions (no pages are pinned again; [`Self::registration_counters`] count made
+    /// and reused regions). A range that partly overlaps a live registration is refused
+    /// ([`AgentError::OverlappingRegistration`]); one that contains live registrations gets its
+    /// own. The cache keeps nothing alive: a memory region is deregistered with the last
+    /// registration (and in-flight transfer) that uses it.
+    ///
+    /// ```no_run
+    /// # async fn f(agent: &rixl::agent::Agent) -> Result<(), rixl::agent::AgentError> {
+    /// use rixl::agent::Visibility;
+    /// use rixl::verbs::{memmap2::MmapMut, HostBuffer};
+    /// // The engine's own paged KV cache: one anonymous map, registered once.
+    /// let kv = MmapMut::map_anon(64 << 20).expect("map");
+    /// let mem = HostBuffer::from_mmap(kv).expect("non-empty");
+    /// let reg = agent.register_host(mem, Visibility::All).await?;
+    /// // ... transfers ...
+    /// reg.release().await; // the map is unmapped once the NIC is done with it
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`AgentError::BadMemory`] if the NIC refuses the range (unmapped or read-only memory),
+    /// [`AgentError::OverlappingRegistration`], or [`AgentError::Runtime`].
+    pub async fn register_host(
+        &self,
+        mem: HostBuffer,
+        visibility: Visibility,
+    ) -> Result<Registration, AgentError> {
+        let engines = self.inner.rails.engines();
+        if !engines[0].has_nic() {
+            return Ok(self.add_registration(Reg {
+                region: engines[0].unregistered(mem),
+                rails: Vec::new(),
+                visibility,
+                export: None,
+            }));
+        }
+        let span = Span::new(mem.addr(), mem.len() as u64);
+        let (addr, len) = (mem.addr(), mem.len() as u64);
+        let mem = Arc::new(mem);
+        let mrs = match self.inner.cached_mrs(span, engines.len())? {
+            Some(mrs) => mrs,
+            None => {
+                let mut mrs = Vec::with_capacity(engines.len());
+                for e in engines {
+                    let mr = e
+                        .register_mr(Arc::clone(&mem))
+                        .await
+                        .map_err(|e| registration_error(addr, len, e))?;
+                    mrs.push(mr);
+                }
+                let mut cache = lock(&self.inner.cache);
+                cache.counters.made += mrs.len() as u64;
+                cache
+                    .index
+                    .insert(span, mrs.iter().map(SharedMr::downgrade).collect());
+                mrs
+            }
+        };
+        let mut regions = Vec::with_capacity(mrs.len());
+        for mr in &mrs {
+            let view = HostBuffer::slice_of(&mem, 0, len as usize)
+                .map_err(|e| AgentError::Runtime(e.into()))?;
+            regions.push(
+                mr.view(view)
+                    .map_err(|e| AgentError::Transfer(TransferError::InvalidDescriptor(e)))?,
+            );
+        }
+        let region = regions.remove(0);
+        Ok(self.add_registration(Reg {
+            region,
+            rails: regions,
+            visibility,
+            export: None,
+        }))
+    }
+
+    /// What this agent has registered at `addr..addr+len` (NIXL's `queryMem`): the live
+    /// registration that contains the range, or `None`. With nested registrations, the one that
+    /// starts closest below `addr`.
+    pub fn query_memory(&self, addr: u64, len: u64) -> Option<MemoryInfo> {
+        let end = addr.checked_add(len)?;
+        let regs = self.inner.regs.load();
+        regs.iter()
+            .filter(|(_, r)| r.region.addr() <= addr && end <= r.region.addr() + r.region.len())
+            .max_by_key(|(_, r)| r.region.addr())
+            .map(|(&id, r)| MemoryInfo {
+                id,
+                kind: if r.region.is_gpu() {
+                    MemKind::Vram
+                } else {
+                    MemKind::Dram
+                },
+                addr: r.region.addr(),
+                len: r.region.len(),
+                offset: addr - r.region.addr(),
+                rails: 1 + r.rails.len(),
+                nic: r.region.registration().is_some(),
+                shared: r.region.shared_mr().is_some_and(|m| m.regions() > 1),
+                cuda_ipc: r.export.is_some(),
+            })
+    }
+
+    /// The registration cache's counters.
+    pub fn registration_counters(&self) -> RegistrationCounters {
+        lock(&self.inner.cache).counters
+    }
+
     /// Registers `len` bytes of DRAM (zeroed), visible per `visibility`.
     ///
     /// ```no_run
@@ -250,6 +460,34 @@ impl Agent {
         }
     }
 
+    /// Partial metadata for `reader` (NIXL's `getLocalPartialMD`): only `regions` (with the
+    /// side-channel address and identity), and `removed`, regions released since. Loaded by a
+    /// peer that already holds this agent's metadata of the same generation, it is merged (the
+    /// regions are added or replaced, the removed ones forgotten); otherwise it is all the peer
+    /// knows of this agent. After a new registration, send the new region's id alone.
+    ///
+    /// # Errors
+    /// [`AgentError::UnknownLocalRegion`] if a region of `regions` is not registered, not
+    /// reachable by peers, or not visible to `reader`; [`AgentError::Metadata`] past the
+    /// format's limits.
+    pub fn local_partial_metadata(
+        &self,
+        reader: &str,
+        regions: &[u64],
+        removed: &[u64],
+    ) -> Result<Vec<u8>, AgentError> {
+        let md = self
+            .inner
+            .metadata_of(reader, Some(regions), removed.to_vec());
+        if let Some(&missing) = regions
+            .iter()
+            .find(|id| !md.regions.iter().any(|r| r.id == **id))
+        {
+            return Err(AgentError::UnknownLocalRegion(missing));
+        }
+        Ok(md.encode()?)
+    }
+
     /// This agent's metadata as `reader` may see it: regions scoped to other agents are left out,
     /// so `reader` cannot obtain their keys from it.
     ///
@@ -260,11 +498,62 @@ impl Agent {
     }
 }
 
+/// A refused registration of caller memory as the agent reports it.
+fn registration_error(addr: u64, len: u64, e: RuntimeError) -> AgentError {
+    match e {
+        RuntimeError::Verbs(crate::verbs::Error::RegisterMemory(source)) => {
+            AgentError::BadMemory { addr, len, source }
+        }
+        e => AgentError::Runtime(e),
+    }
+}
+
 impl Inner {
+    /// The live memory regions (one per rail, `rails` of them) that contain `span`, counted as
+    /// reused; `None` if a registration must be made.
+    fn cached_mrs(&self, span: Span, rails: usize) -> Result<Option<Vec<SharedMr>>, AgentError> {
+        let mut cache = lock(&self.cache);
+        let alive =
+            |mrs: &Vec<WeakMr>| mrs.len() == rails && mrs.iter().all(|m| m.upgrade().is_some());
+        match cache.index.find(span, alive) {
+            Lookup::Hit(weak) => {
+                let mrs: Option<Vec<SharedMr>> = weak.iter().map(WeakMr::upgrade).collect();
+                let Some(mrs) = mrs else { return Ok(None) };
+                cache.counters.reused += mrs.len() as u64;
+                Ok(Some(mrs))
+            }
+            Lookup::Overlap(s) => {
+                cache.counters.overlaps += 1;
+                Err(AgentError::OverlappingRegistration {
+                    addr: span.start,
+                    len: span.end - span.start,
+                    existing: s.start,
+                    existing_len: s.end - s.start,
+                })
+            }
+            Lookup::Miss => Ok(None),
+        }
+    }
+
     /// This agent's metadata as `reader` may see it.
     pub(crate) fn metadata_for(&self, reader: &str) -> AgentMetadata {
+        self.metadata_of(reader, None, Vec::new())
+    }
+
+    /// This agent's metadata as `reader` may see it: every region, or (partial metadata) only
+    /// those in `only`, with `removed` named as released.
+    pub(crate) fn metadata_of(
+        &self,
+        reader: &str,
+        only: Option<&[u64]>,
+        removed: Vec<u64>,
+    ) -> AgentMetadata {
         let regs = self.regs.load();
-        let visible = || regs.iter().filter(|(_, r)| r.visibility.allows(reader));
+        let visible = || {
+            regs.iter().filter(|(id, r)| {
+                r.visibility.allows(reader) && only.is_none_or(|o| o.contains(id))
+            })
+        };
         let regions = visible()
             // Host memory of a core without a NIC is not reachable by peers; GPU memory is, by
             // CUDA IPC from the same node, when it is exported.
@@ -306,6 +595,8 @@ impl Inner {
             node: self.node.clone(),
             process: std::process::id(),
             ipc,
+            partial: only.is_some(),
+            removed,
         }
     }
 }

@@ -15,6 +15,7 @@ use crate::transport::{
 };
 
 use super::config::RemoteRef;
+use super::handle::{CallOptions, Transfer};
 use super::peers::{Peer, RegionKey};
 use super::registry::{FileRegistration, RailMap, Registration};
 use super::{sidechannel, Agent, AgentError};
@@ -88,8 +89,9 @@ impl PreparedRemote {
 }
 
 /// A transfer with a peer checked and planned once by [`Agent::prepare_request`], posted any
-/// number of times by [`Agent::post_request`] (NIXL's prepared transfer request).
-#[derive(Debug)]
+/// number of times by [`Agent::post_request`] (NIXL's prepared transfer request). Cloning it
+/// is cheap (the prepared work is shared).
+#[derive(Debug, Clone)]
 pub struct TransferRequest {
     peer: String,
     op: Op,
@@ -127,7 +129,7 @@ impl TransferRequest {
     }
 }
 
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 enum RequestPath {
     /// RDMA: one prepared transfer per rail it uses (rail 0 alone unless striped).
     Rdma(Vec<PreparedPart>),
@@ -168,16 +170,14 @@ impl Agent {
     /// # Ok(()) }
     /// ```
     ///
+    /// The [`Transfer`] may also be polled from a step loop ([`Transfer::status`]), cancelled,
+    /// or dropped (which cancels it).
+    ///
     /// # Errors
     /// [`AgentError::UnknownPeer`], [`AgentError::UnknownRegion`],
     /// [`AgentError::RemoteOutOfRange`] (before anything is posted), or a transfer error.
-    pub async fn write(
-        &self,
-        peer: &str,
-        local: &LocalDescList,
-        remote: &[RemoteRef],
-    ) -> Result<TransferStats, AgentError> {
-        self.transfer(peer, Op::Write, local, remote, None).await
+    pub fn write(&self, peer: &str, local: &LocalDescList, remote: &[RemoteRef]) -> Transfer {
+        self.transfer_with(peer, Op::Write, local, remote, CallOptions::default())
     }
 
     /// RDMA READ of the peer's regions into `local`.
@@ -198,13 +198,8 @@ impl Agent {
     ///
     /// # Errors
     /// As [`Self::write`].
-    pub async fn read(
-        &self,
-        peer: &str,
-        local: &LocalDescList,
-        remote: &[RemoteRef],
-    ) -> Result<TransferStats, AgentError> {
-        self.transfer(peer, Op::Read, local, remote, None).await
+    pub fn read(&self, peer: &str, local: &LocalDescList, remote: &[RemoteRef]) -> Transfer {
+        self.transfer_with(peer, Op::Read, local, remote, CallOptions::default())
     }
 
     /// A READ or WRITE; with `notification`, the peer receives it (from its notification
@@ -212,17 +207,55 @@ impl Agent {
     ///
     /// # Errors
     /// As [`Self::write`].
-    pub async fn transfer(
+    pub fn transfer(
         &self,
         peer: &str,
         op: Op,
         local: &LocalDescList,
         remote: &[RemoteRef],
         notification: Option<&[u8]>,
-    ) -> Result<TransferStats, AgentError> {
-        let remote = self.inner.resolve(peer, remote, None)?.remote;
-        self.post(peer, op, local.clone(), remote, notification)
-            .await
+    ) -> Transfer {
+        let opts = CallOptions {
+            notification: notification.map(<[u8]>::to_vec),
+            ..CallOptions::default()
+        };
+        self.transfer_with(peer, op, local, remote, opts)
+    }
+
+    /// A READ or WRITE with per-call options: a deadline, a notification.
+    ///
+    /// ```no_run
+    /// # async fn f(decode: &rixl::agent::Agent, local: &rixl::runtime::LocalDescList,
+    /// #     remote: &[rixl::agent::RemoteRef]) -> Result<(), rixl::agent::AgentError> {
+    /// use std::time::Duration;
+    /// use rixl::agent::{CallOptions, TransferStatus};
+    /// use rixl::runtime::Op;
+    /// let opts = CallOptions::new().timeout(Duration::from_millis(200)).notification(&b"req-7"[..]);
+    /// let mut t = decode.transfer_with("prefill", Op::Read, local, remote, opts);
+    /// // A step loop without an async context:
+    /// while t.status() == TransferStatus::Pending {
+    ///     // ... run a model step ...
+    /// }
+    /// let stats = t.await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Self::write`].
+    pub fn transfer_with(
+        &self,
+        peer: &str,
+        op: Op,
+        local: &LocalDescList,
+        remote: &[RemoteRef],
+        opts: CallOptions,
+    ) -> Transfer {
+        let remote = match self.inner.resolve(peer, remote, None) {
+            Ok(r) => r.remote,
+            Err(e) => return Transfer::failed(e),
+        };
+        let (agent, peer, local) = (self.clone(), peer.to_string(), local.clone());
+        Transfer::new(async move { agent.post(&peer, op, local, remote, opts).await })
     }
 
     /// The transport of `local` with `remote` in `peer`'s memory: CUDA IPC when every local
@@ -253,8 +286,9 @@ impl Agent {
         op: Op,
         local: LocalDescList,
         remote: RemoteDescList,
-        notification: Option<&[u8]>,
+        opts: CallOptions,
     ) -> Result<TransferStats, AgentError> {
+        let notification = opts.notification.as_deref();
         let p = self.inner.peer(peer)?;
         if let Route::CudaIpc(plan) = self.route(&p, &local, &remote) {
             let transport = IpcTransport {
@@ -298,7 +332,13 @@ impl Agent {
         let transport = RdmaTransport {
             rails: &self.inner.rails,
         };
-        let mut st = transport.transfer(op, RdmaRequest { parts }).await?;
+        let mut engine_opts = TransferOptions::default();
+        engine_opts.timeout = opts.timeout;
+        let request = RdmaRequest {
+            parts,
+            opts: engine_opts,
+        };
+        let mut st = transport.transfer(op, request).await?;
         st.descriptors = descriptors;
         if let Some(msg) = notification {
             self.notify_on(conn, msg).await?;
@@ -457,34 +497,42 @@ impl Agent {
     /// [`AgentError::StaleMetadata`] if the peer's metadata changed since the request was
     /// prepared (it re-joined, or no longer has a region the request uses: nothing is posted),
     /// [`AgentError::UnknownPeer`] if the peer was invalidated; otherwise as [`Self::transfer`].
-    pub async fn post_request(
+    pub fn post_request(&self, req: &TransferRequest, notification: Option<&[u8]>) -> Transfer {
+        let opts = CallOptions {
+            notification: notification.map(<[u8]>::to_vec),
+            ..CallOptions::default()
+        };
+        self.post_request_with(req, opts)
+    }
+
+    /// [`Self::post_request`] with per-call options (a deadline, a notification).
+    ///
+    /// # Errors
+    /// As [`Self::post_request`].
+    pub fn post_request_with(&self, req: &TransferRequest, opts: CallOptions) -> Transfer {
+        if let Err(e) = self.inner.check_keys(&req.peer, req.generation, &req.keys) {
+            return Transfer::failed(e);
+        }
+        let (agent, req) = (self.clone(), req.clone());
+        Transfer::new(async move { agent.repost(req, opts).await })
+    }
+
+    async fn repost(
         &self,
-        req: &TransferRequest,
-        notification: Option<&[u8]>,
+        req: TransferRequest,
+        opts: CallOptions,
     ) -> Result<TransferStats, AgentError> {
-        self.inner
-            .check_keys(&req.peer, req.generation, &req.keys)?;
-        let parts = match &req.path {
+        let parts = match req.path {
             RequestPath::Planned { local, remote } => {
-                return self
-                    .post(
-                        &req.peer,
-                        req.op,
-                        local.clone(),
-                        remote.clone(),
-                        notification,
-                    )
-                    .await;
+                return self.post(&req.peer, req.op, local, remote, opts).await;
             }
             RequestPath::Rdma(parts) => parts,
         };
-        let mut st = self
-            .inner
-            .rails
-            .post(parts, TransferOptions::default())
-            .await?;
+        let mut engine_opts = TransferOptions::default();
+        engine_opts.timeout = opts.timeout;
+        let mut st = self.inner.rails.post(&parts, engine_opts).await?;
         st.descriptors = req.descriptors;
-        if let Some(msg) = notification {
+        if let Some(msg) = opts.notification.as_deref() {
             let conn = sidechannel::ensure_connection(&self.inner, &req.peer).await?;
             self.notify_on(conn, msg).await?;
         }
@@ -513,7 +561,7 @@ impl Agent {
     ///
     /// # Errors
     /// [`AgentError::BadIndex`], [`AgentError::StaleMetadata`], or as [`Self::transfer`].
-    pub async fn transfer_indices(
+    pub fn transfer_indices(
         &self,
         op: Op,
         local: &PreparedLocal,
@@ -521,13 +569,39 @@ impl Agent {
         remote: &PreparedRemote,
         remote_idx: &[usize],
         notification: Option<&[u8]>,
-    ) -> Result<TransferStats, AgentError> {
-        if self.inner.peer_generation(&remote.peer)? != remote.generation {
-            return Err(AgentError::StaleMetadata(remote.peer.clone()));
-        }
-        let l = local.select(local_idx)?;
-        let r = remote.select(remote_idx)?;
-        self.post(&remote.peer, op, l, r, notification).await
+    ) -> Transfer {
+        let opts = CallOptions {
+            notification: notification.map(<[u8]>::to_vec),
+            ..CallOptions::default()
+        };
+        self.transfer_indices_with(op, local, local_idx, remote, remote_idx, opts)
+    }
+
+    /// [`Self::transfer_indices`] with per-call options (a deadline, a notification).
+    ///
+    /// # Errors
+    /// As [`Self::transfer_indices`].
+    pub fn transfer_indices_with(
+        &self,
+        op: Op,
+        local: &PreparedLocal,
+        local_idx: &[usize],
+        remote: &PreparedRemote,
+        remote_idx: &[usize],
+        opts: CallOptions,
+    ) -> Transfer {
+        let selected = || -> Result<(LocalDescList, RemoteDescList), AgentError> {
+            if self.inner.peer_generation(&remote.peer)? != remote.generation {
+                return Err(AgentError::StaleMetadata(remote.peer.clone()));
+            }
+            Ok((local.select(local_idx)?, remote.select(remote_idx)?))
+        };
+        let (l, r) = match selected() {
+            Ok(x) => x,
+            Err(e) => return Transfer::failed(e),
+        };
+        let (agent, peer) = (self.clone(), remote.peer.clone());
+        Transfer::new(async move { agent.post(&peer, op, l, r, opts).await })
     }
 }
 

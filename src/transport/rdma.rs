@@ -13,6 +13,8 @@ pub(crate) struct RdmaTransport<'a> {
 /// A transfer's parts, one per rail it uses, each on its rail's connection.
 pub(crate) struct RdmaRequest {
     pub parts: Vec<RailPart>,
+    /// The engine's options (the per-call deadline).
+    pub opts: TransferOptions,
 }
 
 impl Transport for RdmaTransport<'_> {
@@ -23,9 +25,6 @@ impl Transport for RdmaTransport<'_> {
         op: Op,
         request: Self::Request<'_>,
     ) -> Result<TransferStats, AgentError> {
-        Ok(self
-            .rails
-            .transfer(op, request.parts, TransferOptions::default())
-            .await?)
+        Ok(self.rails.transfer(op, request.parts, request.opts).await?)
     }
 }

@@ -31,6 +31,8 @@ pub use cq::CompletionQueue;
 pub use device::{Device, DeviceList};
 pub use error::{Error, Result};
 pub use host::{HostBuffer, BUFFER_ALIGN};
+/// The memory-map crate whose [`memmap2::MmapMut`] [`HostBuffer::from_mmap`] takes.
+pub use memmap2;
 pub use mr::{
     AccessFlags, HostMemory, MemoryRegion, OwnedRegistration, Registered, RegisteredBuffer,
     SharedRegistration,

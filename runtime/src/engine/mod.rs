@@ -21,7 +21,7 @@ use rixl_verbs::{
     QueuePairCapabilities, RegisteredBuffer,
 };
 
-use crate::desc::Region;
+use crate::desc::{Region, SharedMr};
 use crate::error::{RuntimeError, TransferError};
 use crate::id::next_engine_id;
 
@@ -200,6 +200,26 @@ impl Engine {
             })
             .await?;
         Ok(Region::shared(reg, self.inner.id))
+    }
+
+    /// Registers host memory (the caller's, or shared with other engines) as one registration
+    /// that several regions may use ([`SharedMr::view`]): the agent's registration cache. Runs
+    /// off the core.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Verbs`] with [`rixl_verbs::Error::RegisterMemory`] if the NIC refuses
+    /// (`EFAULT`: unmapped, or read-only memory registered for write; `ENOMEM`: memlock).
+    pub async fn register_mr(
+        &self,
+        mem: Arc<rixl_verbs::HostBuffer>,
+    ) -> Result<SharedMr, RuntimeError> {
+        let pd = self.inner.pd.clone();
+        let reg = glommio::executor()
+            .spawn_blocking(move || {
+                rixl_verbs::SharedRegistration::register(&pd, mem, AccessFlags::ALL_RDMA)
+            })
+            .await?;
+        Ok(SharedMr::new(reg, self.inner.id))
     }
 
     /// Allocates `len` bytes on GPU `ordinal` and registers them with this engine's NIC
