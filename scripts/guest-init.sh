@@ -27,6 +27,8 @@ ws_path=$(sed -n 's/^export RIXL_WS=//p' "$H$job/job.sh" 2>/dev/null)
 mount -t proc proc $H/proc
 mount -t sysfs sys $H/sys
 mount -t devtmpfs dev $H/dev
+# POSIX shared memory (shm_open, /dev/shm files), as on any Linux host.
+mkdir -p $H/dev/shm && mount -t tmpfs -o size=256m shm $H/dev/shm
 mount -t tmpfs -o size=512m tmp $H/tmp
 mount -t tmpfs run $H/run
 # printf %q quoting in job.sh: undo the simple cases (no spaces in the path).

@@ -379,6 +379,7 @@ impl<Q: SendQueue> Core<Q> {
     /// The transfer of `slot` went away before taking its result: it stops posting, and its slot
     /// (and keep-alive) is released once the NIC is done. Returns whether it was released now.
     pub fn detach(&mut self, slot: SlotId) -> bool {
+        self.counters.transfers_abandoned += 1;
         self.inflight.detach(slot)
     }
 

@@ -72,6 +72,9 @@ pub struct EngineCounters {
     pub transfers_ok: u64,
     /// Transfers that failed.
     pub transfers_failed: u64,
+    /// Transfers whose futures went away before their result (cancelled, dropped or
+    /// forgotten): their requests not yet posted were never posted.
+    pub transfers_abandoned: u64,
     /// Work requests posted.
     pub work_requests: u64,
     /// Doorbells rung.

@@ -92,6 +92,14 @@ pub enum AgentError {
         /// Its length.
         existing_len: u64,
     },
+    /// Too few transfers with the peer have completed for [`crate::agent::Agent::estimate`].
+    #[error("no estimate for {peer:?} yet: {samples} transfers completed")]
+    NoEstimate {
+        /// The peer.
+        peer: String,
+        /// Transfers its model has seen (of this direction).
+        samples: u64,
+    },
     /// The transfer was cancelled ([`crate::agent::Transfer::cancel`]).
     #[error("the transfer was cancelled")]
     Cancelled,

@@ -13,6 +13,7 @@
 mod cache;
 mod config;
 pub(crate) mod error;
+mod estimate;
 pub mod etcd;
 mod handle;
 pub mod metadata;
@@ -149,6 +150,18 @@ impl Agent {
         for e in self.inner.rails.engines() {
             if let Ok((c, _)) = e.counters().await {
                 v.push(c);
+            }
+        }
+        v
+    }
+
+    /// Transfers in flight on each rail's engine (rail 0 first): slots whose work the NIC may
+    /// still touch, abandoned transfers draining included.
+    pub async fn rail_inflight(&self) -> Vec<usize> {
+        let mut v = Vec::new();
+        for e in self.inner.rails.engines() {
+            if let Ok((_, n)) = e.counters().await {
+                v.push(n);
             }
         }
         v

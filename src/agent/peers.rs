@@ -11,6 +11,7 @@ use crate::nvlink::plan::{Export, PeerGpus};
 use crate::runtime::{ConnId, RemoteDesc, RemoteDescList};
 
 use super::config::RemoteRef;
+use super::estimate::RateModel;
 use super::metadata::{AgentMetadata, RegionInfo};
 use super::{sidechannel, Agent, AgentError, Inner};
 
@@ -26,6 +27,9 @@ pub(crate) struct Peer {
     pub gpus: PeerGpus,
     /// Connections by rail (rail 0 also carries notifications).
     pub conns: Vec<Option<ConnId>>,
+    /// Transfer-time models (READ, WRITE) fed by completed transfers; kept across metadata
+    /// updates.
+    pub rates: Arc<std::sync::Mutex<[RateModel; 2]>>,
 }
 
 /// Peers by name.
@@ -74,6 +78,7 @@ impl Peer {
             regions,
             metadata: Some(Arc::new(md)),
             conns: self.conns.clone(),
+            rates: Arc::clone(&self.rates),
         }
     }
 
@@ -288,6 +293,32 @@ impl Agent {
         }
     }
 
+    /// The time a READ or WRITE of `local` with `remote` should take with `peer` now (NIXL's
+    /// `estimateXferCost`), from a model of the link that every completed transfer with the
+    /// peer keeps current (a fixed cost, a cost per byte and one per descriptor, fitted with
+    /// recent transfers weighing most). Nothing is posted.
+    ///
+    /// # Errors
+    /// [`AgentError::UnknownPeer`], the checks of [`Self::write`] on `remote`, or
+    /// [`AgentError::NoEstimate`] before enough transfers with the peer have completed.
+    pub fn estimate(
+        &self,
+        op: crate::runtime::Op,
+        local: &crate::runtime::LocalDescList,
+        remote: &[RemoteRef],
+        peer: &str,
+    ) -> Result<std::time::Duration, AgentError> {
+        self.inner.resolve(peer, remote, None)?;
+        let p = self.inner.peer(peer)?;
+        let models = super::snapshot::lock(&p.rates);
+        let m = &models[op_index(op)];
+        m.estimate(local.total_len(), local.len())
+            .ok_or_else(|| AgentError::NoEstimate {
+                peer: peer.to_string(),
+                samples: m.samples(),
+            })
+    }
+
     /// Connects to `peer` now, on every rail (NIXL's `makeConnection`), so the first transfer
     /// pays no connection set-up. Rails already connected are kept; concurrent callers and
     /// transfers share the connections made.
@@ -318,7 +349,30 @@ impl Agent {
     }
 }
 
+/// The model slot of `op`.
+pub(crate) fn op_index(op: crate::runtime::Op) -> usize {
+    match op {
+        crate::runtime::Op::Read => 0,
+        crate::runtime::Op::Write => 1,
+    }
+}
+
 impl Inner {
+    /// Feeds a completed transfer with `peer` into its model (skipped if another thread holds
+    /// the model right now: the hot path never waits for it).
+    pub(crate) fn record_rate(
+        &self,
+        peer: &Peer,
+        op: crate::runtime::Op,
+        bytes: u64,
+        descriptors: usize,
+        took: std::time::Duration,
+    ) {
+        if let Ok(mut m) = peer.rates.try_lock() {
+            m[op_index(op)].record(bytes, descriptors, took);
+        }
+    }
+
     /// `peer` with its metadata loaded.
     pub(crate) fn peer(&self, peer: &str) -> Result<Arc<Peer>, AgentError> {
         self.peers

@@ -288,9 +288,28 @@ impl Agent {
         remote: RemoteDescList,
         opts: CallOptions,
     ) -> Result<TransferStats, AgentError> {
-        let notification = opts.notification.as_deref();
+        let t0 = std::time::Instant::now();
         let p = self.inner.peer(peer)?;
-        if let Route::CudaIpc(plan) = self.route(&p, &local, &remote) {
+        let (bytes, descriptors) = (local.total_len(), local.len());
+        let r = self.post_on(&p, peer, op, local, remote, &opts).await;
+        if r.is_ok() {
+            self.inner
+                .record_rate(&p, op, bytes, descriptors, t0.elapsed());
+        }
+        r
+    }
+
+    async fn post_on(
+        &self,
+        p: &Peer,
+        peer: &str,
+        op: Op,
+        local: LocalDescList,
+        remote: RemoteDescList,
+        opts: &CallOptions,
+    ) -> Result<TransferStats, AgentError> {
+        let notification = opts.notification.as_deref();
+        if let Route::CudaIpc(plan) = self.route(p, &local, &remote) {
             let transport = IpcTransport {
                 paths: &self.inner.ipc,
                 engine: self.inner.rails.engine(0),
@@ -313,9 +332,9 @@ impl Agent {
         let rails = self
             .inner
             .rails
-            .stripes(local.total_len(), self.inner.peer_rails(&p));
+            .stripes(local.total_len(), self.inner.peer_rails(p));
         let parts = if rails > 1 {
-            self.rail_parts(peer, &p, &local, &remote, rails).await?
+            self.rail_parts(peer, p, &local, &remote, rails).await?
         } else {
             vec![RailPart {
                 slice: RailSlice {
@@ -530,8 +549,13 @@ impl Agent {
         };
         let mut engine_opts = TransferOptions::default();
         engine_opts.timeout = opts.timeout;
+        let t0 = std::time::Instant::now();
         let mut st = self.inner.rails.post(&parts, engine_opts).await?;
         st.descriptors = req.descriptors;
+        if let Ok(p) = self.inner.peer(&req.peer) {
+            self.inner
+                .record_rate(&p, req.op, req.bytes, req.descriptors, t0.elapsed());
+        }
         if let Some(msg) = opts.notification.as_deref() {
             let conn = sidechannel::ensure_connection(&self.inner, &req.peer).await?;
             self.notify_on(conn, msg).await?;
