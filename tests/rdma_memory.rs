@@ -530,15 +530,20 @@ fn caller_owned_transfers_take_a_per_call_notification_and_timeout() {
         .expect("write with notification");
     let (from, msg) = block_on(notifs.next()).expect("notification");
     assert_eq!((from.as_str(), msg.as_slice()), (p.user.name(), &b"req-42"[..]));
-    // A deadline far shorter than a 32 MiB READ on rxe: that transfer times out.
+    // A dead peer: the owner's engine (and its queue pairs) are gone, so nothing answers. The
+    // per-call deadline ends the READ long before the transport's own retries would.
+    p.owner.shutdown();
     let mut local = LocalDescList::new();
-    local.push(dst.region(), 0, LEN as u64);
-    let opts = CallOptions::new().timeout(Duration::from_millis(1));
-    let r = block_on(p.user.transfer_with(&p.peer, Op::Read, &local, &whole(src.id(), LEN as u64), opts));
+    local.push(dst.region(), 0, 4096);
+    let opts = CallOptions::new().timeout(Duration::from_millis(20));
+    let t0 = Instant::now();
+    let r = block_on(p.user.transfer_with(&p.peer, Op::Read, &local, &whole(src.id(), 4096), opts));
+    let took = t0.elapsed();
     assert!(
-        matches!(r, Err(AgentError::Transfer(TransferError::Timeout(_)))),
-        "per-call timeout: {r:?}"
+        matches!(r, Err(AgentError::Transfer(TransferError::Timeout(d))) if d == Duration::from_millis(20)),
+        "per-call timeout: {r:?} after {took:?}"
     );
+    report(&format!("call options: notification delivered; a READ from a dead peer ended with its 20 ms per-call deadline after {took:?}"));
     p.shutdown();
 }
 
@@ -624,11 +629,13 @@ fn connect_makes_the_connection_before_the_first_transfer() {
         block_on(p.user.connect("nobody")),
         Err(AgentError::UnknownPeer(_))
     ));
+    assert!(!p.user.is_connected(&p.peer));
     let t0 = Instant::now();
     block_on(p.user.connect(&p.peer)).expect("connect");
     let connect = t0.elapsed();
+    assert!(p.user.is_connected(&p.peer), "connected before any transfer");
+    let before = block_on(p.user.rail_counters())[0];
     block_on(p.user.connect(&p.peer)).expect("connect again is a no-op");
-    // The owner accepted exactly one connection: no second set-up on the first transfer.
     let dst = block_on(p.user.register(1 << 20, Visibility::All)).expect("dst");
     let mut local = LocalDescList::new();
     local.push(dst.region(), 0, 4096);
@@ -641,10 +648,10 @@ fn connect_makes_the_connection_before_the_first_transfer() {
     report(&format!(
         "connect: eager connect {connect:?}; then first 4 KiB READ {first:?}, second {second:?}"
     ));
-    assert!(
-        first < connect,
-        "the first transfer after connect paid no set-up ({first:?} vs connect {connect:?})"
-    );
+    // Both READs ran on the connection that connect made.
+    let after = block_on(p.user.rail_counters())[0];
+    assert_eq!(after.transfers_ok - before.transfers_ok, 2);
+    assert!(p.user.is_connected(&p.peer));
     p.shutdown();
 }
 

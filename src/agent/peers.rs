@@ -319,6 +319,16 @@ impl Agent {
             })
     }
 
+    /// Whether a connection to `peer` is made (on rail 0; [`Self::connect`] or a first transfer
+    /// makes it).
+    pub fn is_connected(&self, peer: &str) -> bool {
+        self.inner
+            .peers
+            .load()
+            .get(peer)
+            .is_some_and(|p| p.conn(0).is_some())
+    }
+
     /// Connects to `peer` now, on every rail (NIXL's `makeConnection`), so the first transfer
     /// pays no connection set-up. Rails already connected are kept; concurrent callers and
     /// transfers share the connections made.
