@@ -188,14 +188,18 @@ fn main() -> Result<(), BoxError> {
             for (&m, &t) in mine.iter().zip(&theirs) {
                 let mut got = vec![0u8; a.block_size as usize];
                 layer.region().read_at(m * a.block_size, &mut got)?;
-                if let Some(i) = (0..a.block_size).find(|&i| got[i as usize] != pattern(r, l as u64, t, i)) {
-                    return Err(format!("request {r}, layer {l}, block {t}: byte {i} differs").into());
+                if let Some(i) =
+                    (0..a.block_size).find(|&i| got[i as usize] != pattern(r, l as u64, t, i))
+                {
+                    return Err(
+                        format!("request {r}, layer {l}, block {t}: byte {i} differs").into(),
+                    );
                 }
                 checked += a.block_size;
             }
         }
         dkv.free.extend(mine); // decode is done with them (its model step would use them)
-        // Prefill frees its blocks when notified.
+                               // Prefill frees its blocks when notified.
         let (_, done) = block_on(to_prefill.next()).ok_or("prefill: stream ended")?;
         if done != format!("done {r}").into_bytes() {
             return Err(format!("prefill: unexpected notification {done:?}").into());

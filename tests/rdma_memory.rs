@@ -137,10 +137,10 @@ fn caller_owned_vec_boxed_mmap_shm_static_and_raw_memory_move_every_byte() {
     }
     p.sync();
     // The user's destination: its own Vec.
-    let dst = block_on(
-        p.user
-            .register_host(HostBuffer::from_vec(vec![0u8; 2 << 20]).unwrap(), Visibility::All),
-    )
+    let dst = block_on(p.user.register_host(
+        HostBuffer::from_vec(vec![0u8; 2 << 20]).unwrap(),
+        Visibility::All,
+    ))
     .expect("user vec");
     for (kind, reg, seed) in &regs {
         let len = reg.region().len();
@@ -151,7 +151,10 @@ fn caller_owned_vec_boxed_mmap_shm_static_and_raw_memory_move_every_byte() {
         assert_eq!(st.bytes, len);
         let mut got = vec![0u8; len as usize];
         dst.region().read_at(0, &mut got).unwrap();
-        assert!(got == patterned(len as usize, *seed), "{kind}: every byte read");
+        assert!(
+            got == patterned(len as usize, *seed),
+            "{kind}: every byte read"
+        );
         // And back: the user's bytes written into the owner's memory, in place.
         let changed: Vec<u8> = got.iter().map(|b| b ^ 0x5a).collect();
         dst.region().write_at(0, &changed).unwrap();
@@ -194,7 +197,11 @@ fn caller_owned_bad_memory_gets_typed_errors_and_nothing_is_registered() {
     let unmapped = unsafe { HostBuffer::from_raw(ptr, 1 << 20) }.unwrap();
     match block_on(p.owner.register_host(unmapped, Visibility::All)) {
         Err(AgentError::BadMemory { source, .. }) => {
-            assert_eq!(source.raw_os_error(), Some(libc_efault()), "unmapped: {source}");
+            assert_eq!(
+                source.raw_os_error(),
+                Some(libc_efault()),
+                "unmapped: {source}"
+            );
         }
         other => panic!("unmapped memory: {other:?}"),
     }
@@ -213,7 +220,9 @@ fn caller_owned_bad_memory_gets_typed_errors_and_nothing_is_registered() {
     drop(ro);
     assert_eq!(p.owner.registration_counters().made, 0);
     assert!(p.owner.query_memory(ptr as u64, 4096).is_none());
-    report(&format!("caller_owned: unmapped and read-only memory refused ({err})"));
+    report(&format!(
+        "caller_owned: unmapped and read-only memory refused ({err})"
+    ));
     p.shutdown();
 }
 
@@ -228,16 +237,16 @@ fn caller_owned_release_waits_for_an_inflight_transfer_and_a_dropped_handle_keep
         return;
     };
     const LEN: usize = 32 << 20;
-    let src = block_on(
-        p.owner
-            .register_host(HostBuffer::from_vec(patterned(LEN, 9)).unwrap(), Visibility::All),
-    )
+    let src = block_on(p.owner.register_host(
+        HostBuffer::from_vec(patterned(LEN, 9)).unwrap(),
+        Visibility::All,
+    ))
     .expect("src");
     p.sync();
-    let dst = block_on(
-        p.user
-            .register_host(HostBuffer::from_vec(vec![0u8; LEN]).unwrap(), Visibility::All),
-    )
+    let dst = block_on(p.user.register_host(
+        HostBuffer::from_vec(vec![0u8; LEN]).unwrap(),
+        Visibility::All,
+    ))
     .expect("dst");
     let mut local = LocalDescList::new();
     for k in 0..(LEN as u64 >> 20) {
@@ -263,7 +272,10 @@ fn caller_owned_release_waits_for_an_inflight_transfer_and_a_dropped_handle_keep
     assert_eq!(st.bytes, LEN as u64);
     let mut got = vec![0u8; LEN];
     check.read_at(0, &mut got).unwrap();
-    assert!(got == patterned(LEN, 9), "every byte landed before the release");
+    assert!(
+        got == patterned(LEN, 9),
+        "every byte landed before the release"
+    );
     // The test's own handle on the region is the last one.
     assert!(
         release.as_mut().poll(&mut cx).is_pending(),
@@ -274,10 +286,10 @@ fn caller_owned_release_waits_for_an_inflight_transfer_and_a_dropped_handle_keep
     assert!(released.deregistered);
     // Dropping a registration (no release) during a transfer: the in-flight table keeps its
     // memory registered until the NIC is done, and the bytes are right.
-    let dst2 = block_on(
-        p.user
-            .register_host(HostBuffer::from_vec(vec![0u8; LEN]).unwrap(), Visibility::All),
-    )
+    let dst2 = block_on(p.user.register_host(
+        HostBuffer::from_vec(vec![0u8; LEN]).unwrap(),
+        Visibility::All,
+    ))
     .expect("dst2");
     let view = dst2.region().clone();
     let mut local = LocalDescList::new();
@@ -304,19 +316,30 @@ fn registration_cache_reuses_contained_ranges_refuses_partial_overlaps_and_count
     let base = pool.as_mut_ptr();
     // SAFETY: every range below lies inside `pool`, which outlives every registration (they
     // are released and awaited before it is dropped).
-    let range = |off: usize, len: usize| unsafe { HostBuffer::from_raw(base.add(off), len) }.unwrap();
+    let range =
+        |off: usize, len: usize| unsafe { HostBuffer::from_raw(base.add(off), len) }.unwrap();
     let whole_reg = block_on(p.owner.register_host(range(0, LEN), Visibility::All)).expect("whole");
     let c = p.owner.registration_counters();
     assert_eq!((c.made, c.reused), (1, 0));
     let equal = block_on(p.owner.register_host(range(0, LEN), Visibility::All)).expect("equal");
-    let inner = block_on(p.owner.register_host(range(1 << 20, 1 << 20), Visibility::All))
-        .expect("inner");
+    let inner = block_on(
+        p.owner
+            .register_host(range(1 << 20, 1 << 20), Visibility::All),
+    )
+    .expect("inner");
     let c = p.owner.registration_counters();
-    assert_eq!((c.made, c.reused), (1, 2), "equal and inner ranges reuse the MR");
+    assert_eq!(
+        (c.made, c.reused),
+        (1, 2),
+        "equal and inner ranges reuse the MR"
+    );
     assert_eq!(equal.region().rkey(), whole_reg.region().rkey());
     assert_eq!(inner.region().rkey(), whole_reg.region().rkey());
     assert_eq!(inner.region().addr(), base as u64 + (1 << 20));
-    let info = p.owner.query_memory(base as u64 + (1 << 20) + 100, 10).expect("query");
+    let info = p
+        .owner
+        .query_memory(base as u64 + (1 << 20) + 100, 10)
+        .expect("query");
     assert_eq!((info.id, info.offset, info.len), (inner.id(), 100, 1 << 20));
     assert!(info.shared && info.nic);
     // Partial overlap with the live 8 MiB registration: a typed error, nothing registered.
@@ -333,7 +356,9 @@ fn registration_cache_reuses_contained_ranges_refuses_partial_overlaps_and_count
     // The straddling range reaches past `pool`: it is refused before the NIC sees it, so no
     // unmapped byte is registered.
     match block_on(p.owner.register_host(straddle.unwrap(), Visibility::All)) {
-        Err(AgentError::OverlappingRegistration { existing, .. }) => assert_eq!(existing, base as u64),
+        Err(AgentError::OverlappingRegistration { existing, .. }) => {
+            assert_eq!(existing, base as u64)
+        }
         other => panic!("partial overlap: {other:?}"),
     }
     assert_eq!(p.owner.registration_counters().overlaps, 1);
@@ -440,7 +465,10 @@ fn cancel_abandoned_transfers_post_nothing_more_and_do_not_delay_the_next_one() 
     // Drained: nothing left in flight; the abandoned work was mostly never posted.
     let t1 = Instant::now();
     while block_on(p.user.rail_inflight())[0] != 0 {
-        assert!(t1.elapsed() < Duration::from_secs(30), "abandoned work drains");
+        assert!(
+            t1.elapsed() < Duration::from_secs(30),
+            "abandoned work drains"
+        );
         std::thread::sleep(Duration::from_millis(10));
     }
     let after = block_on(p.user.rail_counters())[0];
@@ -476,10 +504,10 @@ fn cancel_after_done_does_nothing_and_memory_outlives_a_cancelled_transfer() {
     let src = block_on(p.owner.register(LEN, Visibility::All)).expect("src");
     src.region().write_at(0, &patterned(LEN, 17)).unwrap();
     p.sync();
-    let dst = block_on(
-        p.user
-            .register_host(HostBuffer::from_vec(vec![0u8; LEN]).unwrap(), Visibility::All),
-    )
+    let dst = block_on(p.user.register_host(
+        HostBuffer::from_vec(vec![0u8; LEN]).unwrap(),
+        Visibility::All,
+    ))
     .expect("dst");
     let mut local = LocalDescList::new();
     local.push(dst.region(), 0, 4096);
@@ -488,7 +516,11 @@ fn cancel_after_done_does_nothing_and_memory_outlives_a_cancelled_transfer() {
         std::thread::sleep(Duration::from_millis(1));
     }
     t.cancel();
-    assert_eq!(t.status(), TransferStatus::Done, "cancel after done does nothing");
+    assert_eq!(
+        t.status(),
+        TransferStatus::Done,
+        "cancel after done does nothing"
+    );
     assert_eq!(block_on(t).expect("result kept").bytes, 4096);
     drop(local);
     // A large READ cancelled in flight: the handle ends Cancelled, and the release of its
@@ -504,7 +536,11 @@ fn cancel_after_done_does_nothing_and_memory_outlives_a_cancelled_transfer() {
     drop((t, local));
     let released = block_on(dst.release());
     assert!(released.deregistered);
-    assert_eq!(block_on(p.user.rail_inflight())[0], 0, "drained before the release resolved");
+    assert_eq!(
+        block_on(p.user.rail_inflight())[0],
+        0,
+        "drained before the release resolved"
+    );
     // The connection is still good.
     let dst = block_on(p.user.register(4096, Visibility::All)).expect("dst");
     let mut local = LocalDescList::new();
@@ -526,10 +562,16 @@ fn caller_owned_transfers_take_a_per_call_notification_and_timeout() {
     let mut local = LocalDescList::new();
     local.push(dst.region(), 0, 4096);
     let opts = CallOptions::new().notification(&b"req-42"[..]);
-    block_on(p.user.transfer_with(&p.peer, Op::Write, &local, &whole(src.id(), 4096), opts))
-        .expect("write with notification");
+    block_on(
+        p.user
+            .transfer_with(&p.peer, Op::Write, &local, &whole(src.id(), 4096), opts),
+    )
+    .expect("write with notification");
     let (from, msg) = block_on(notifs.next()).expect("notification");
-    assert_eq!((from.as_str(), msg.as_slice()), (p.user.name(), &b"req-42"[..]));
+    assert_eq!(
+        (from.as_str(), msg.as_slice()),
+        (p.user.name(), &b"req-42"[..])
+    );
     // A dead peer: the owner's engine (and its queue pairs) are gone, so nothing answers. The
     // per-call deadline ends the READ long before the transport's own retries would.
     p.owner.shutdown();
@@ -537,7 +579,10 @@ fn caller_owned_transfers_take_a_per_call_notification_and_timeout() {
     local.push(dst.region(), 0, 4096);
     let opts = CallOptions::new().timeout(Duration::from_millis(20));
     let t0 = Instant::now();
-    let r = block_on(p.user.transfer_with(&p.peer, Op::Read, &local, &whole(src.id(), 4096), opts));
+    let r = block_on(
+        p.user
+            .transfer_with(&p.peer, Op::Read, &local, &whole(src.id(), 4096), opts),
+    );
     let took = t0.elapsed();
     assert!(
         matches!(r, Err(AgentError::Transfer(TransferError::Timeout(d))) if d == Duration::from_millis(20)),
@@ -563,7 +608,9 @@ fn partial_metadata_sends_only_named_regions_and_updates_merge() {
         .expect("partial");
     assert!(only1.len() < full.len());
     p.peer = p.user.load_remote_metadata(&only1).expect("load partial");
-    p.user.check_remote_metadata(&p.peer, &[r1.id()]).expect("r1 known");
+    p.user
+        .check_remote_metadata(&p.peer, &[r1.id()])
+        .expect("r1 known");
     assert!(matches!(
         p.user.check_remote_metadata(&p.peer, &[r1.id(), r2.id()]),
         Err(AgentError::UnknownRegion { region, .. }) if region == r2.id()
@@ -593,11 +640,19 @@ fn partial_metadata_sends_only_named_regions_and_updates_merge() {
         .owner
         .local_partial_metadata(&reader, &[], &[gone])
         .expect("removal");
-    p.user.load_remote_metadata(&removal).expect("merge removal");
+    p.user
+        .load_remote_metadata(&removal)
+        .expect("merge removal");
     assert!(p.user.check_remote_metadata(&p.peer, &[gone]).is_err());
-    p.user.check_remote_metadata(&p.peer, &[r3.id()]).expect("r3 kept");
+    p.user
+        .check_remote_metadata(&p.peer, &[r3.id()])
+        .expect("r3 kept");
     // Bad input: a region that is not ours, or not visible to the reader.
-    let secret = block_on(p.owner.register(4096, Visibility::Only(vec!["else".into()]))).unwrap();
+    let secret = block_on(
+        p.owner
+            .register(4096, Visibility::Only(vec!["else".into()])),
+    )
+    .unwrap();
     for id in [secret.id(), 9999] {
         assert!(matches!(
             p.owner.local_partial_metadata(&reader, &[id], &[]),
@@ -633,7 +688,10 @@ fn connect_makes_the_connection_before_the_first_transfer() {
     let t0 = Instant::now();
     block_on(p.user.connect(&p.peer)).expect("connect");
     let connect = t0.elapsed();
-    assert!(p.user.is_connected(&p.peer), "connected before any transfer");
+    assert!(
+        p.user.is_connected(&p.peer),
+        "connected before any transfer"
+    );
     let before = block_on(p.user.rail_counters())[0];
     block_on(p.user.connect(&p.peer)).expect("connect again is a no-op");
     let dst = block_on(p.user.register(1 << 20, Visibility::All)).expect("dst");
@@ -714,7 +772,10 @@ fn estimate_lands_within_30_percent_of_measured_times_from_4k_to_8m() {
     let mut worst = 0.0f64;
     for &(b, n) in &shapes {
         let (l, r) = list(b, n);
-        let est = p.user.estimate(Op::Read, &l, &r, &p.peer).expect("estimate");
+        let est = p
+            .user
+            .estimate(Op::Read, &l, &r, &p.peer)
+            .expect("estimate");
         let mut took: Vec<Duration> = (0..5).map(|_| run(b, n)).collect();
         took.sort();
         let measured = took[2];
@@ -725,8 +786,15 @@ fn estimate_lands_within_30_percent_of_measured_times_from_4k_to_8m() {
             b >> 10
         ));
     }
-    report(&format!("estimate (READ on rxe):\n  {}", lines.join("\n  ")));
-    assert!(worst <= 0.30, "an estimate is off by {:.0} %", worst * 100.0);
+    report(&format!(
+        "estimate (READ on rxe):\n  {}",
+        lines.join("\n  ")
+    ));
+    assert!(
+        worst <= 0.30,
+        "an estimate is off by {:.0} %",
+        worst * 100.0
+    );
     p.shutdown();
 }
 
@@ -752,7 +820,16 @@ fn caller_owned_engine_kv_example_moves_its_own_paged_cache_with_every_byte_veri
         return;
     }
     let out = std::process::Command::new(example("engine_kv"))
-        .args(["--requests", "4", "--layers", "4", "--blocks", "64", "--per-request", "16"])
+        .args([
+            "--requests",
+            "4",
+            "--layers",
+            "4",
+            "--blocks",
+            "64",
+            "--per-request",
+            "16",
+        ])
         .output()
         .expect("run engine_kv");
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -763,6 +840,9 @@ fn caller_owned_engine_kv_example_moves_its_own_paged_cache_with_every_byte_veri
     );
     assert!(stdout.contains("every byte verified"), "{stdout}");
     // Each engine's four layers reused the map's one memory region.
-    assert!(stdout.contains("memory regions made 1, reused 4"), "{stdout}");
+    assert!(
+        stdout.contains("memory regions made 1, reused 4"),
+        "{stdout}"
+    );
     report(&format!("engine_kv: {}", stdout.trim()));
 }

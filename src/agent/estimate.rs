@@ -62,7 +62,10 @@ impl RateModel {
             .filter(|c| c.iter().all(|v| v.is_finite()) && c[1] >= 0.0 && c[2] >= 0.0)
             .map(|c| c[0] + c[1] * x[1] + c[2] * x[2])
             .or_else(|| {
-                let a = [[self.xx[0][0], self.xx[0][1]], [self.xx[1][0], self.xx[1][1]]];
+                let a = [
+                    [self.xx[0][0], self.xx[0][1]],
+                    [self.xx[1][0], self.xx[1][1]],
+                ];
                 solve2(a, [self.xt[0], self.xt[1]])
                     .filter(|c| c[1] >= 0.0)
                     .map(|c| c[0] + c[1] * x[1])
@@ -93,7 +96,9 @@ fn solve2(a: [[f64; 2]; 2], b: [f64; 2]) -> Option<[f64; 2]> {
 /// Gaussian elimination with partial pivoting, on columns scaled to unit diagonal (bytes and
 /// request counts differ by many orders of magnitude).
 fn solve3(a: [[f64; 3]; 3], b: [f64; 3]) -> Option<[f64; 3]> {
-    let s: Vec<f64> = (0..3).map(|i| a[i][i].sqrt().max(f64::MIN_POSITIVE)).collect();
+    let s: Vec<f64> = (0..3)
+        .map(|i| a[i][i].sqrt().max(f64::MIN_POSITIVE))
+        .collect();
     let mut m = [[0.0; 4]; 3];
     for i in 0..3 {
         for j in 0..3 {
@@ -107,11 +112,12 @@ fn solve3(a: [[f64; 3]; 3], b: [f64; 3]) -> Option<[f64; 3]> {
             return None;
         }
         m.swap(col, pivot);
-        for row in 0..3 {
+        let pivot_row = m[col];
+        for (row, r) in m.iter_mut().enumerate() {
             if row != col {
-                let f = m[row][col] / m[col][col];
-                for k in col..4 {
-                    m[row][k] -= f * m[col][k];
+                let f = r[col] / pivot_row[col];
+                for (x, p) in r.iter_mut().zip(pivot_row).skip(col) {
+                    *x -= f * p;
                 }
             }
         }
@@ -144,7 +150,10 @@ mod tests {
         for (bytes, reqs) in [(4096, 1), (1 << 20, 256), (8 << 20, 1), (256 << 10, 64)] {
             let want = link(bytes, reqs).as_secs_f64();
             let got = m.estimate(bytes, reqs).unwrap().as_secs_f64();
-            assert!((got / want - 1.0).abs() < 0.01, "{bytes} B in {reqs}: {got} vs {want}");
+            assert!(
+                (got / want - 1.0).abs() < 0.01,
+                "{bytes} B in {reqs}: {got} vs {want}"
+            );
         }
     }
 

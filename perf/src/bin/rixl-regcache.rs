@@ -59,7 +59,8 @@ fn cycles(agent: &Agent, mem: &Arc<HostBuffer>, cycles: u64) -> Result<Run, Stri
     for _ in 0..cycles {
         let t = Instant::now();
         let view = HostBuffer::slice_of(mem, 0, mem.len()).map_err(|e| e.to_string())?;
-        let reg = block_on(agent.register_host(view, Visibility::All)).map_err(|e| e.to_string())?;
+        let reg =
+            block_on(agent.register_host(view, Visibility::All)).map_err(|e| e.to_string())?;
         block_on(reg.release());
         per_cycle
             .record(t.elapsed().as_nanos() as u64)
@@ -85,7 +86,9 @@ fn main() -> Result<(), String> {
     let args = Args::parse();
     let agent = Agent::new("regcache", AgentConfig::default()).map_err(|e| e.to_string())?;
     if !agent.has_nic() {
-        return Err("no RDMA device: run it in the rxe guest (perf/benches/registration-cache)".into());
+        return Err(
+            "no RDMA device: run it in the rxe guest (perf/benches/registration-cache)".into(),
+        );
     }
     let mut map = MmapMut::map_anon(args.size).map_err(|e| e.to_string())?;
     // Touch every page, so neither run pays the first faults.
