@@ -213,15 +213,17 @@ fn a_killed_peer_ends_the_transfer_with_an_error_and_a_rejoined_peer_works() {
     let t0 = Instant::now();
     let r = block_on(decode.read("prefill", &all, &whole));
     let took = t0.elapsed();
-    assert!(
-        matches!(
-            r,
-            Err(AgentError::Transfer(
-                TransferError::Timeout(_) | TransferError::RemoteDisconnect { .. }
-            ))
+    match &r {
+        Err(AgentError::Incomplete {
+            source: TransferError::Timeout(_) | TransferError::RemoteDisconnect { .. },
+            descriptors,
+        }) => assert_eq!(
+            (descriptors.failed(), descriptors.not_posted()),
+            (0..1, 1..1),
+            "the one descriptor failed"
         ),
-        "{r:?}"
-    );
+        other => panic!("{other:?}"),
+    }
     assert!(took < Duration::from_secs(5), "error after {took:?}");
     report(&format!(
         "killed peer: {} after {took:?}",

@@ -585,7 +585,8 @@ fn caller_owned_transfers_take_a_per_call_notification_and_timeout() {
     );
     let took = t0.elapsed();
     assert!(
-        matches!(r, Err(AgentError::Transfer(TransferError::Timeout(d))) if d == Duration::from_millis(20)),
+        matches!(&r, Err(AgentError::Incomplete { source: TransferError::Timeout(d), descriptors })
+            if *d == Duration::from_millis(20) && descriptors.failed() == (0..1)),
         "per-call timeout: {r:?} after {took:?}"
     );
     report(&format!("call options: notification delivered; a READ from a dead peer ended with its 20 ms per-call deadline after {took:?}"));
@@ -845,4 +846,65 @@ fn caller_owned_engine_kv_example_moves_its_own_paged_cache_with_every_byte_veri
         "{stdout}"
     );
     report(&format!("engine_kv: {}", stdout.trim()));
+}
+
+#[test]
+fn caller_owned_failure_names_the_descriptors_that_failed_after_those_that_completed() {
+    let Some(mut p) = Pair::new("failed_ranges") else {
+        return;
+    };
+    // Every request signaled, so the completed prefix is exact.
+    let mut cfg = AgentConfig::default();
+    cfg.cpu = 1 % rixl::runtime::available_cpus().len();
+    cfg.engine.signal_interval = 1;
+    p.user.shutdown();
+    p.user = Agent::new("failed_ranges-user1", cfg).expect("user");
+    const BLOCK: u64 = 64 << 10;
+    let kept = block_on(p.owner.register((8 * BLOCK) as usize, Visibility::All)).expect("kept");
+    kept.region()
+        .write_at(0, &patterned(8 * BLOCK as usize, 31))
+        .unwrap();
+    let freed = block_on(p.owner.register((8 * BLOCK) as usize, Visibility::All)).expect("freed");
+    p.sync();
+    // The owner frees the second region (its memory region deregistered); the user's metadata
+    // still names it.
+    let freed_id = freed.id();
+    assert!(block_on(freed.release()).deregistered);
+    let dst = block_on(p.user.register((16 * BLOCK) as usize, Visibility::All)).expect("dst");
+    let mut local = LocalDescList::new();
+    let mut remote = Vec::new();
+    for (k, region) in (0..16u64).map(|k| (k, if k < 8 { kept.id() } else { freed_id })) {
+        local.push(dst.region(), k * BLOCK, BLOCK);
+        remote.push(RemoteRef {
+            region,
+            offset: (k % 8) * BLOCK,
+            len: BLOCK,
+        });
+    }
+    let r = block_on(p.user.read(&p.peer, &local, &remote));
+    let d = match &r {
+        Err(AgentError::Incomplete {
+            source: TransferError::RemoteAccess { .. },
+            descriptors,
+        }) => *descriptors,
+        other => panic!("a READ of freed memory: {other:?}"),
+    };
+    assert_eq!(d.total, 16);
+    assert!(
+        d.completed <= 8 && d.failed().contains(&8),
+        "descriptor 8 (the first of the freed region) failed: {d:?}"
+    );
+    assert!(d.not_posted().is_empty() || d.not_posted().start >= 9);
+    // What the error calls completed did land, byte for byte.
+    let mut got = vec![0u8; (d.completed as u64 * BLOCK) as usize];
+    dst.region().read_at(0, &mut got).unwrap();
+    assert!(got[..] == patterned(8 * BLOCK as usize, 31)[..got.len()]);
+    report(&format!(
+        "failed ranges: a READ of 8 blocks of live memory then 8 of freed memory: descriptors {:?} completed, {:?} failed, {:?} not posted ({})",
+        0..d.completed,
+        d.failed(),
+        d.not_posted(),
+        r.expect_err("error")
+    ));
+    p.shutdown();
 }

@@ -9,6 +9,8 @@
 mod memory;
 mod register;
 
+/// The CUDA crate whose `CudaSlice` [`DeviceMemory::from_cuda_slice`] takes.
+pub use cudarc;
 pub use memory::{DeviceMemory, Gpu, PinnedHostMemory, DEVICE_ALIGN};
 pub use register::{GpuRegistration, RegistrationKind};
 
@@ -24,6 +26,18 @@ pub enum Error {
     /// Bad arguments (zero length, a range outside an allocation).
     #[error("{0}")]
     InvalidArgument(String),
+    /// A device range reaches outside the allocation it starts in.
+    #[error("device range {ptr:#x}+{len} leaves its allocation {base:#x}+{size}")]
+    OutsideAllocation {
+        /// Start of the range.
+        ptr: u64,
+        /// Its length.
+        len: usize,
+        /// Start of the allocation (`cuMemGetAddressRange`).
+        base: u64,
+        /// The allocation's size.
+        size: usize,
+    },
     /// Neither dma-buf nor nvidia-peermem could register GPU memory with the NIC.
     #[error("GPU memory registration failed: dma-buf: {dmabuf}; nvidia-peermem: {peermem}")]
     Register {

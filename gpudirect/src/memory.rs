@@ -81,13 +81,60 @@ impl Drop for Gpu {
 /// (which needs host-page-aligned ranges).
 pub const DEVICE_ALIGN: usize = 2 << 20;
 
-/// Device memory (`cuMemAlloc`), freed on drop.
-#[derive(Debug)]
+/// Device memory: allocated here (`cuMemAlloc`, freed on drop), or a range of the caller's own
+/// allocation ([`DeviceMemory::from_cuda_slice`], [`DeviceMemory::from_raw`]).
 pub struct DeviceMemory {
     gpu: Arc<Gpu>,
     ptr: sys::CUdeviceptr,
     len: usize,
+    /// The whole allocation the range lies in (what a dma-buf export covers).
+    base: sys::CUdeviceptr,
     allocated: usize,
+    owner: Owner,
+}
+
+/// What keeps a [`DeviceMemory`] valid.
+enum Owner {
+    /// Allocated by [`DeviceMemory::alloc`], freed on drop.
+    Allocated,
+    /// The caller's allocation, owned from now on and dropped with this value (a cudarc
+    /// `CudaSlice`, which frees it, or the memory this is a slice of).
+    Caller(#[allow(dead_code)] Box<dyn std::any::Any + Send + Sync>),
+    /// The caller's allocation under its promise ([`DeviceMemory::from_raw`]).
+    Borrowed,
+}
+
+impl std::fmt::Debug for DeviceMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceMemory")
+            .field("gpu", &self.gpu.ordinal())
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .field("allocated_here", &matches!(self.owner, Owner::Allocated))
+            .finish()
+    }
+}
+
+/// Checks that `len` bytes at `ptr` lie inside one allocation of the current context; returns
+/// the allocation (base, size).
+fn allocation_of(ptr: sys::CUdeviceptr, len: usize) -> Result<(sys::CUdeviceptr, usize), Error> {
+    if len == 0 {
+        return Err(Error::InvalidArgument("device range of 0 bytes".into()));
+    }
+    let (mut base, mut size) = (0, 0usize);
+    // SAFETY: the caller made the context current; `base` and `size` are valid out-pointers.
+    check("cuMemGetAddressRange", unsafe {
+        sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
+    })?;
+    match (ptr - base).checked_add(len as u64) {
+        Some(end) if end <= size as u64 => Ok((base, size)),
+        _ => Err(Error::OutsideAllocation {
+            ptr,
+            len,
+            base,
+            size,
+        }),
+    }
 }
 
 impl DeviceMemory {
@@ -112,8 +159,100 @@ impl DeviceMemory {
             gpu: Arc::clone(gpu),
             ptr,
             len,
+            base: ptr,
             allocated,
+            owner: Owner::Allocated,
         })
+    }
+
+    /// The caller's device memory from cudarc (its allocator's `CudaSlice<u8>`), owned from now
+    /// on: freed by cudarc when this value is dropped. Work queued on the slice's stream is
+    /// waited for first, so a transfer never races the engine's own kernels that wrote it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an empty slice, [`Error::Driver`] for a failing call.
+    pub fn from_cuda_slice(slice: cudarc::driver::CudaSlice<u8>) -> Result<DeviceMemory, Error> {
+        use cudarc::driver::DevicePtr;
+        let gpu = Gpu::open(slice.ordinal() as i32)?;
+        let stream = Arc::clone(slice.stream());
+        let ptr = {
+            let (ptr, _read) = slice.device_ptr(&stream);
+            ptr
+        };
+        stream
+            .synchronize()
+            .map_err(crate::driver("cuStreamSynchronize"))?;
+        gpu.bind()?;
+        let len = slice.len();
+        let (base, allocated) = allocation_of(ptr, len)?;
+        Ok(DeviceMemory {
+            gpu,
+            ptr,
+            len,
+            base,
+            allocated,
+            owner: Owner::Caller(Box::new(slice)),
+        })
+    }
+
+    /// `len` bytes at device address `ptr` on `gpu`, from the caller's own allocator (a
+    /// `CUdeviceptr`, possibly inside a larger allocation: checked with
+    /// `cuMemGetAddressRange`).
+    ///
+    /// # Safety
+    /// The allocation must stay allocated (not freed, not unmapped) until this value **and**
+    /// every registration made from it have been dropped or released, and no transfer or peer
+    /// may still reach it: for an agent registration, until `release().await` has resolved.
+    /// While it is registered, the NIC, CUDA IPC peers and copies may read and write it at any
+    /// time.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for zero length, [`Error::OutsideAllocation`] for a range
+    /// that leaves the allocation, [`Error::Driver`] for an address the driver does not know.
+    pub unsafe fn from_raw(
+        gpu: &Arc<Gpu>,
+        ptr: sys::CUdeviceptr,
+        len: usize,
+    ) -> Result<DeviceMemory, Error> {
+        gpu.bind()?;
+        let (base, allocated) = allocation_of(ptr, len)?;
+        Ok(DeviceMemory {
+            gpu: Arc::clone(gpu),
+            ptr,
+            len,
+            base,
+            allocated,
+            owner: Owner::Borrowed,
+        })
+    }
+
+    /// `len` bytes at `offset` of `parent`, as memory of its own that keeps `parent` alive (a
+    /// registration of a range inside a larger allocation, such as one layer of a KV pool).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an empty range or one outside `parent`.
+    pub fn slice_of(
+        parent: &Arc<DeviceMemory>,
+        offset: usize,
+        len: usize,
+    ) -> Result<DeviceMemory, Error> {
+        parent.range(offset, len)?;
+        if len == 0 {
+            return Err(Error::InvalidArgument("device range of 0 bytes".into()));
+        }
+        Ok(DeviceMemory {
+            gpu: Arc::clone(&parent.gpu),
+            ptr: parent.ptr + offset as u64,
+            len,
+            base: parent.base,
+            allocated: parent.allocated,
+            owner: Owner::Caller(Box::new(Arc::clone(parent))),
+        })
+    }
+
+    /// Where the range starts inside the allocation a dma-buf export covers.
+    pub fn dmabuf_offset(&self) -> u64 {
+        self.ptr - self.base
     }
 
     /// Device address (unified addressing: also the RDMA iova of a registration).
@@ -212,12 +351,13 @@ impl DeviceMemory {
     pub fn export_dmabuf(&self) -> Result<OwnedFd, Error> {
         self.gpu.bind()?;
         let mut fd: i32 = -1;
-        // SAFETY: the range is this whole (page-aligned, DEVICE_ALIGN-sized) allocation; `fd` is
-        // a valid out-pointer for an int, as the DMA_BUF_FD handle type requires.
+        // SAFETY: the range is the whole allocation the memory lies in (cuMemAlloc allocations
+        // are page aligned); `fd` is a valid out-pointer for an int, as the DMA_BUF_FD handle
+        // type requires.
         check("cuMemGetHandleForAddressRange", unsafe {
             sys::cuMemGetHandleForAddressRange(
                 (&mut fd as *mut i32).cast::<c_void>(),
-                self.ptr,
+                self.base,
                 self.allocated,
                 sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
                 0,
@@ -235,6 +375,10 @@ impl DeviceMemory {
 
 impl Drop for DeviceMemory {
     fn drop(&mut self) {
+        if !matches!(self.owner, Owner::Allocated) {
+            // The caller's allocation: freed by its owner (dropped after this), or by the caller.
+            return;
+        }
         let _ = self.gpu.bind();
         // SAFETY: allocated in `alloc`, freed once here; registrations and copies that use it
         // hold this value (or an `Arc` of it), so none is outstanding.

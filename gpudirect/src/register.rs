@@ -41,7 +41,14 @@ impl GpuRegistration {
                 // SAFETY: `mem` is moved into the returned value, whose `Registered` frees it only
                 // after the region is deregistered, so the exported memory outlives the registration.
                 match unsafe {
-                    MemoryRegion::register_dmabuf(pd, fd.as_fd(), 0, mem.len(), mem.addr(), access)
+                    MemoryRegion::register_dmabuf(
+                        pd,
+                        fd.as_fd(),
+                        mem.dmabuf_offset(),
+                        mem.len(),
+                        mem.addr(),
+                        access,
+                    )
                 } {
                     Ok(mr) => {
                         return Ok(Self::done(mr, mem, RegistrationKind::DmaBuf));

@@ -676,11 +676,62 @@ fn agent_stage(
     dropped_future(&a, &name, region, len, ordinal)?;
     spin_ab(&a, &name, &addr, region, ordinal)?;
     timed_out(&a, &name, &addr, region, len, ordinal)?;
+    caller_owned_vram(&a, &name, region, len, ordinal)?;
     if let Some(mut stdin) = peer.stdin.take() {
         let _ = writeln!(stdin, "done");
     }
     let _ = peer.wait();
     a.shutdown();
+    Ok(())
+}
+
+/// Engine-owned VRAM: a cudarc `CudaSlice` from the engine's own allocator, and a layer-sized
+/// range inside a larger allocation, registered with `register_device` and read into from the
+/// peer process over CUDA IPC; every byte verified, then released.
+fn caller_owned_vram(
+    a: &rixl::agent::Agent,
+    peer: &str,
+    region: u64,
+    len: usize,
+    ordinal: i32,
+) -> Result<(), BoxError> {
+    use rixl::gpudirect::cudarc::driver::CudaContext;
+    let ctx = CudaContext::new(ordinal as usize)?;
+    let slice = ctx.default_stream().alloc_zeros::<u8>(len)?;
+    let mem = DeviceMemory::from_cuda_slice(slice)?;
+    let reg = futures_lite::future::block_on(a.register_device(mem, rixl::agent::Visibility::All))?;
+    futures_lite::future::block_on(a.read(peer, &whole(&reg, len), &whole_remote(region, len)))?;
+    let mut back = vec![0u8; len];
+    reg.region().read_at(0, &mut back)?;
+    if let Some(i) = (0..len).find(|&i| back[i] != pattern(i)) {
+        return Err(format!("caller-owned CudaSlice: byte {i} differs").into());
+    }
+    let released = futures_lite::future::block_on(reg.release());
+    // A range inside a larger allocation (one "layer" of a pool), and one that leaves it.
+    let gpu = Gpu::open(ordinal)?;
+    let pool = Arc::new(DeviceMemory::alloc(&gpu, 2 * len)?);
+    let layer = DeviceMemory::slice_of(&pool, len, len)?;
+    let outside = DeviceMemory::slice_of(&pool, len + 1, len);
+    let reg =
+        futures_lite::future::block_on(a.register_device(layer, rixl::agent::Visibility::All))?;
+    futures_lite::future::block_on(a.read(peer, &whole(&reg, len), &whole_remote(region, len)))?;
+    reg.region().read_at(0, &mut back)?;
+    let mut in_pool = vec![0u8; len];
+    pool.read(len, &mut in_pool)?;
+    if back != in_pool || (0..len).any(|i| back[i] != pattern(i)) {
+        return Err("caller-owned range inside an allocation: bytes differ".into());
+    }
+    println!(
+        "  caller-owned VRAM: a cudarc CudaSlice and a {} MiB range at offset {} MiB of a larger allocation registered with register_device, read over CUDA IPC, {} MiB verified each; released (deregistered: {}); a range leaving the allocation refused: {}",
+        len >> 20,
+        len >> 20,
+        len >> 20,
+        released.deregistered,
+        outside.is_err()
+    );
+    if outside.is_ok() {
+        return Err("a range outside its allocation was accepted".into());
+    }
     Ok(())
 }
 

@@ -54,6 +54,9 @@ struct Slot<K> {
     generation: u32,
     conn: u32,
     outstanding: u32,
+    /// Signaled requests that completed successfully before any error (RC completes in order:
+    /// every request posted before the n-th of them completed too).
+    ok_signaled: u32,
     posting: bool,
     detached: bool,
     expired: bool,
@@ -140,6 +143,7 @@ impl<K> InflightTable<K> {
             generation,
             conn,
             outstanding: 0,
+            ok_signaled: 0,
             posting: true,
             detached: false,
             expired: false,
@@ -213,6 +217,9 @@ impl<K> InflightTable<K> {
         if !signaled {
             // Unsignaled requests complete only in error; they hold no outstanding count.
             return Routed::Progress;
+        }
+        if slot.error.is_none() {
+            slot.ok_signaled += 1;
         }
         slot.outstanding = slot.outstanding.saturating_sub(1);
         let done = slot.outstanding == 0 && !slot.posting;
@@ -361,6 +368,15 @@ impl<K> InflightTable<K> {
         } else {
             false
         }
+    }
+
+    /// Signaled requests of `id` that completed successfully before any error (0 for a slot
+    /// that is gone).
+    pub fn ok_signaled(&self, id: SlotId) -> u32 {
+        self.slots
+            .get(id.key as usize)
+            .filter(|s| s.generation == id.generation)
+            .map_or(0, |s| s.ok_signaled)
     }
 
     /// The error of an expired slot (its deadline passed), if it expired.

@@ -32,5 +32,8 @@ pub use crate::inflight::SlotId;
 pub use crate::plan::{Limits, Plan, PlannedWr};
 pub use crate::posting::Posting;
 pub use crate::queue::{Clock, CompletionSource, SendQueue, SystemClock};
-pub use crate::stats::{ConnId, EngineCounters, Message, TransferOptions, TransferStats};
+pub use crate::stats::{
+    ConnId, DescriptorRanges, EngineCounters, Message, Progress, TransferFailure, TransferOptions,
+    TransferStats,
+};
 pub use crate::wire::{Completion, SendFlags, SendOp, Sge, WcOpcode, WcStatus};

@@ -14,7 +14,7 @@ use crate::desc::Op;
 use crate::error::TransferError;
 use crate::inflight::SlotId;
 use crate::queue::SendQueue;
-use crate::stats::{ConnId, TransferOptions};
+use crate::stats::{ConnId, Progress, TransferOptions};
 use crate::wire::{SendFlags, SendOp, Sge};
 
 /// One transfer between [`Core::begin`] and its result. The caller owns it (in its future) and
@@ -31,6 +31,12 @@ pub struct Posting {
     timeout: Option<Duration>,
     next: usize,
     doorbells: usize,
+    /// Bytes of the requests posted so far.
+    bytes_posted: u64,
+    /// The stream position (bytes) at the end of each signaled request posted, in order.
+    signaled_at: SmallVec<[u64; 2]>,
+    /// How far it got, once it ended in an error.
+    progress: Progress,
     started: bool,
     posted: bool,
     queued: bool,
@@ -68,6 +74,11 @@ impl Posting {
         self.finished
     }
 
+    /// How far it got, once its result was an error (see [`Progress`]).
+    pub fn progress(&self) -> Progress {
+        self.progress
+    }
+
     /// Whether its deadline is armed (it has waited).
     pub fn deadline_armed(&self) -> bool {
         self.timeout.is_none()
@@ -93,10 +104,33 @@ impl<Q: SendQueue> Core<Q> {
             timeout: Some(opts.timeout.unwrap_or(self.cfg.transfer_timeout)),
             next: 0,
             doorbells: 0,
+            bytes_posted: 0,
+            signaled_at: SmallVec::new(),
+            progress: Progress::default(),
             started: false,
             posted: false,
             queued: false,
             finished: false,
+        }
+    }
+
+    /// Records how far `p` got, when its result is an error.
+    fn note_result(&self, p: &mut Posting, ok_signaled: u32, r: &Poll<Result<(), TransferError>>) {
+        if let Poll::Ready(Err(_)) = r {
+            p.progress = if p.queued {
+                Progress {
+                    completed_bytes: 0,
+                    posted_bytes: u64::MAX,
+                }
+            } else {
+                Progress {
+                    completed_bytes: (ok_signaled as usize)
+                        .checked_sub(1)
+                        .and_then(|i| p.signaled_at.get(i).copied())
+                        .unwrap_or(0),
+                    posted_bytes: p.bytes_posted,
+                }
+            };
         }
     }
 
@@ -174,8 +208,10 @@ impl<Q: SendQueue> Core<Q> {
     /// The transfer's result if it has one now, without registering a waker (so a future that
     /// reaps its own completion does not wake itself).
     pub fn try_finish(&mut self, p: &mut Posting) -> Poll<Result<(), TransferError>> {
+        let ok = self.inflight.ok_signaled(p.slot);
         let r = self.inflight.try_take(p.slot);
         p.finished |= r.is_ready();
+        self.note_result(p, ok, &r);
         r
     }
 
@@ -185,11 +221,13 @@ impl<Q: SendQueue> Core<Q> {
         p: &mut Posting,
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), TransferError>> {
+        let ok = self.inflight.ok_signaled(p.slot);
         let r = self.inflight.poll(p.slot, cx);
         if r.is_pending() {
             self.arm(p);
         } else {
             p.finished = true;
+            self.note_result(p, ok, &r);
         }
         r
     }
@@ -224,8 +262,13 @@ impl<Q: SendQueue> Core<Q> {
         let n = end - p.next;
         let signals = c.credits.plan(n as u32);
         let last = plan.wrs.len();
+        let (mut at, marks) = (p.bytes_posted, p.signaled_at.len());
         for (i, signal) in (p.next..end).zip(signals.flags()) {
             let wr = &plan.wrs[i];
+            at += wr.bytes;
+            if signal {
+                p.signaled_at.push(at);
+            }
             let op = match (p.op, p.notify_imm) {
                 (Op::Write, Some(imm)) if i + 1 == last => SendOp::WriteWithImm {
                     remote_addr: wr.remote_addr,
@@ -251,10 +294,14 @@ impl<Q: SendQueue> Core<Q> {
                 counters.doorbells += 1;
                 p.next = end;
                 p.doorbells += 1;
+                p.bytes_posted = at;
                 Ok(())
             }
             // Nothing of a refused batch counts.
-            Err(e) => Err(TransferError::Post(e.to_string())),
+            Err(e) => {
+                p.signaled_at.truncate(marks);
+                Err(TransferError::Post(e.to_string()))
+            }
         }
     }
 

@@ -52,6 +52,85 @@ impl TransferStats {
     }
 }
 
+/// How far a transfer got when it failed, in bytes of its stream (the local list read in
+/// order). RC completes a queue pair's requests in order, so a prefix is known complete.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Progress {
+    /// Bytes known to have completed: every request up to the last one that completed
+    /// successfully before the error.
+    pub completed_bytes: u64,
+    /// Bytes whose requests were posted (`u64::MAX`: all of them may have been, as for a
+    /// coalesced transfer).
+    pub posted_bytes: u64,
+}
+
+/// Which descriptors of a failed transfer did what: `0..completed` completed,
+/// `completed..posted` failed (or may have: their outcome is unknown), `posted..total` were
+/// never posted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct DescriptorRanges {
+    /// Descriptors known to have completed.
+    pub completed: usize,
+    /// End of the descriptors whose work was posted.
+    pub posted: usize,
+    /// Descriptors in the transfer.
+    pub total: usize,
+}
+
+impl DescriptorRanges {
+    /// Maps `progress` to the descriptors of lengths `lens` (in list order).
+    pub fn of(progress: Progress, lens: impl IntoIterator<Item = u64>) -> Self {
+        let (mut completed, mut posted, mut total) = (0, 0, 0);
+        let mut at = 0u64;
+        for len in lens {
+            let end = at.saturating_add(len);
+            if end <= progress.completed_bytes {
+                completed += 1;
+            }
+            if at < progress.posted_bytes {
+                posted += 1;
+            }
+            at = end;
+            total += 1;
+        }
+        DescriptorRanges {
+            completed,
+            posted: posted.max(completed),
+            total,
+        }
+    }
+
+    /// Every descriptor failed or unknown (a striped transfer's parts cannot be told apart).
+    pub fn all_failed(total: usize) -> Self {
+        DescriptorRanges {
+            completed: 0,
+            posted: total,
+            total,
+        }
+    }
+
+    /// The descriptors whose work failed (or whose outcome is unknown).
+    pub fn failed(&self) -> std::ops::Range<usize> {
+        self.completed..self.posted
+    }
+
+    /// The descriptors never posted.
+    pub fn not_posted(&self) -> std::ops::Range<usize> {
+        self.posted..self.total
+    }
+}
+
+/// A transfer that failed after it started: the error and how far it got.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{error} (descriptors {}..{} failed, {}..{} not posted)", .descriptors.completed, .descriptors.posted, .descriptors.posted, .descriptors.total)]
+pub struct TransferFailure {
+    /// What failed.
+    #[source]
+    pub error: crate::error::TransferError,
+    /// Which descriptors completed, failed, or were never posted.
+    pub descriptors: DescriptorRanges,
+}
+
 /// Counters of one engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]

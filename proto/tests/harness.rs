@@ -1326,3 +1326,90 @@ fn the_virtual_clock_moves_only_when_told() {
     assert_eq!(clock.now() - t0, Duration::from_secs(3));
     assert_eq!(clock.elapsed(), Duration::from_secs(3));
 }
+
+// ---- which descriptors failed ----
+
+#[test]
+fn a_failure_names_the_completed_prefix_the_failed_descriptors_and_none_unposted() {
+    use rixl_proto::{DescriptorRanges, Progress};
+    let mut fx = Fx::new();
+    // 12 scattered requests, every 4th and the last signaled: 3, 7, 11.
+    let mut p = fx.write(12);
+    assert_eq!(fx.nic.posted().len(), 12);
+    assert_eq!(
+        fx.nic.complete(8),
+        8,
+        "requests 0..8 complete (signaled 3 and 7)"
+    );
+    fx.nic.complete_at(0, WcStatus::RemoteAccessError); // request 8
+    fx.nic.flush(fx.qpn());
+    assert!(matches!(
+        fx.poll_noop(&mut p),
+        Poll::Ready(Err(TransferError::RemoteAccess { .. }))
+    ));
+    assert_eq!(
+        p.progress(),
+        Progress {
+            completed_bytes: 8 * 4096,
+            posted_bytes: 12 * 4096
+        }
+    );
+    let r = DescriptorRanges::of(p.progress(), std::iter::repeat_n(4096, 12));
+    assert_eq!((r.failed(), r.not_posted()), (8..12, 12..12));
+    // The first signaled request failed: nothing is known complete.
+    let mut fx = Fx::new();
+    let mut p = fx.write(6);
+    fx.nic.complete_at(0, WcStatus::RemoteAccessError);
+    fx.nic.flush(fx.qpn());
+    assert!(fx.poll_noop(&mut p).is_ready());
+    let r = DescriptorRanges::of(p.progress(), std::iter::repeat_n(4096, 6));
+    assert_eq!((r.failed(), r.not_posted()), (0..6, 6..6));
+}
+
+#[test]
+fn a_timed_out_transfer_names_the_descriptors_it_never_posted() {
+    use rixl_proto::DescriptorRanges;
+    let mut fx = Fx::new();
+    // 40 requests on a 16-deep queue: 16 posted, then it waits for credits and times out.
+    let plan = fx.plan(Op::Write, 40, 4096);
+    let (mut p, r) = fx.start(&plan, TransferOptions::default());
+    assert!(r.is_pending());
+    // The first 8 complete (signaled 3 and 7), then the deadline passes.
+    fx.nic.complete(8);
+    fx.reap();
+    assert_eq!(fx.tick(TIMEOUT * 2), 1);
+    assert!(fx
+        .core
+        .post(&mut p, &plan, &mut Context::from_waker(Waker::noop()))
+        .is_ready());
+    assert_eq!(
+        fx.poll_noop(&mut p),
+        Poll::Ready(Err(TransferError::Timeout(TIMEOUT)))
+    );
+    // Descriptors of 1 KiB pieces: each 4 KiB request covers four.
+    let r = DescriptorRanges::of(p.progress(), std::iter::repeat_n(1024, 160));
+    assert_eq!(r.completed, 32, "8 requests x 4 descriptors completed");
+    assert_eq!(
+        r.posted,
+        16 * 4,
+        "the 16 requests posted before the deadline"
+    );
+    assert_eq!(r.not_posted(), r.posted..160);
+}
+
+#[test]
+fn a_queued_coalesced_transfer_that_fails_names_every_descriptor_failed() {
+    use rixl_proto::DescriptorRanges;
+    let mut fx = coalescing();
+    let _first = fx.write(1); // posted at once: the turn's first
+    let mut queued = fx.write(2);
+    assert!(queued.queued());
+    fx.core
+        .fail_connection(fx.conn, "test", &TransferError::Flushed);
+    fx.nic.flush(fx.qpn());
+    let mut cx = Context::from_waker(Waker::noop());
+    let _ = fx.core.flush(fx.conn, &mut cx);
+    assert!(matches!(fx.poll_noop(&mut queued), Poll::Ready(Err(_))));
+    let r = DescriptorRanges::of(queued.progress(), [4096, 4096]);
+    assert_eq!((r.failed(), r.not_posted()), (0..2, 2..2));
+}

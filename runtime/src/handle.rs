@@ -17,6 +17,7 @@ use crate::engine::{
 };
 use crate::error::{RuntimeError, TransferError};
 use crate::file::{FileCounters, FileDesc, FileError, FileId, FileInfo, FileSpec, FileStore};
+use rixl_proto::TransferFailure;
 
 pub use rixl_nvlink::ipc::DeviceCopy;
 
@@ -268,6 +269,25 @@ impl EngineHandle {
         .unwrap_or(Err(RuntimeError::EngineGone))
     }
 
+    /// See [`Engine::register_device`]; on a core without a NIC, the memory as it is (for CUDA
+    /// IPC and copies; RDMA refuses it).
+    ///
+    /// # Errors
+    /// As [`Engine::register_device`], or [`RuntimeError::EngineGone`].
+    pub async fn register_device(
+        &self,
+        mem: rixl_gpudirect::DeviceMemory,
+    ) -> Result<Region, RuntimeError> {
+        self.on_core(move |s| async move {
+            match s.engine {
+                Some(e) => e.register_device(mem).await,
+                None => Ok(Region::device(mem, s.id)),
+            }
+        })
+        .await
+        .unwrap_or(Err(RuntimeError::EngineGone))
+    }
+
     /// See [`Engine::prepare_connection`].
     ///
     /// # Errors
@@ -308,13 +328,32 @@ impl EngineHandle {
         remote: RemoteDescList,
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferError> {
+        self.transfer_ranges(conn, op, local, remote, opts)
+            .await
+            .map_err(|f| f.error)
+    }
+
+    /// See [`Engine::transfer_ranges`].
+    ///
+    /// # Errors
+    /// As [`Engine::transfer_ranges`], or [`TransferError::EngineGone`] (nothing known posted).
+    pub async fn transfer_ranges(
+        &self,
+        conn: ConnId,
+        op: Op,
+        local: LocalDescList,
+        remote: RemoteDescList,
+        opts: TransferOptions,
+    ) -> Result<TransferStats, TransferFailure> {
+        let descriptors = local.len();
         self.on_core_or_cancel(move |s| async move {
-            s.rdma(TransferError::NoNic)?
-                .transfer(conn, op, &local, &remote, opts)
-                .await
+            match s.engine.as_ref() {
+                Some(e) => e.transfer_ranges(conn, op, &local, &remote, opts).await,
+                None => Err(nothing_posted(TransferError::NoNic, descriptors)),
+            }
         })
         .await
-        .unwrap_or(Err(TransferError::EngineGone))
+        .unwrap_or(Err(nothing_posted(TransferError::EngineGone, descriptors)))
     }
 
     /// [`Self::transfer`] of a WRITE with default options.
@@ -375,12 +414,28 @@ impl EngineHandle {
         prepared: &Arc<PreparedTransfer>,
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferError> {
+        self.post_ranges(prepared, opts).await.map_err(|f| f.error)
+    }
+
+    /// See [`Engine::post_ranges`].
+    ///
+    /// # Errors
+    /// As [`Engine::post_ranges`], or [`TransferError::EngineGone`] (nothing known posted).
+    pub async fn post_ranges(
+        &self,
+        prepared: &Arc<PreparedTransfer>,
+        opts: TransferOptions,
+    ) -> Result<TransferStats, TransferFailure> {
         let prepared = Arc::clone(prepared);
+        let descriptors = prepared.descriptors();
         self.on_core_or_cancel(move |s| async move {
-            s.rdma(TransferError::NoNic)?.post(&prepared, opts).await
+            match s.engine.as_ref() {
+                Some(e) => e.post_ranges(&prepared, opts).await,
+                None => Err(nothing_posted(TransferError::NoNic, descriptors)),
+            }
         })
         .await
-        .unwrap_or(Err(TransferError::EngineGone))
+        .unwrap_or(Err(nothing_posted(TransferError::EngineGone, descriptors)))
     }
 
     /// See [`Engine::send`].
@@ -442,6 +497,18 @@ impl EngineHandle {
         if self.tx.unbounded_send(Command::Shutdown(tx)).is_ok() {
             let _ = rx.await;
         }
+    }
+}
+
+/// A failure with nothing posted.
+fn nothing_posted(error: TransferError, descriptors: usize) -> TransferFailure {
+    TransferFailure {
+        error,
+        descriptors: rixl_proto::DescriptorRanges {
+            completed: 0,
+            posted: 0,
+            total: descriptors,
+        },
     }
 }
 

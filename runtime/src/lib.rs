@@ -20,8 +20,8 @@ pub use desc::{
     LocalDesc, LocalDescList, Op, Region, RemoteDesc, RemoteDescList, SharedMr, WeakMr,
 };
 pub use engine::{
-    ConnId, Engine, EngineConfig, EngineCounters, Message, PollMode, PreparedTransfer,
-    TransferOptions, TransferStats,
+    ConnId, DescriptorRanges, Engine, EngineConfig, EngineCounters, Message, PollMode,
+    PreparedTransfer, Progress, TransferFailure, TransferOptions, TransferStats,
 };
 pub use error::{InvalidDescriptor, RuntimeError, TransferError};
 pub use file::{

@@ -10,6 +10,7 @@ use crate::error::TransferError;
 use crate::handle::EngineHandle;
 use crate::join::join_all;
 use crate::Op;
+use rixl_proto::TransferFailure;
 
 /// Transfers of at least this many bytes are striped over the rails both sides have.
 pub const STRIPE_MIN: u64 = 4 << 20;
@@ -151,14 +152,14 @@ impl Rails {
         op: Op,
         parts: Vec<RailPart>,
         opts: TransferOptions,
-    ) -> Result<TransferStats, TransferError> {
+    ) -> Result<TransferStats, TransferFailure> {
         let futs: Vec<_> = parts
             .into_iter()
             .map(|p| {
                 let engine = self.engine(p.slice.rail).clone();
                 Box::pin(async move {
                     engine
-                        .transfer(p.conn, op, p.slice.local, p.slice.remote, opts)
+                        .transfer_ranges(p.conn, op, p.slice.local, p.slice.remote, opts)
                         .await
                 })
             })
@@ -195,13 +196,13 @@ impl Rails {
         &self,
         parts: &[PreparedPart],
         opts: TransferOptions,
-    ) -> Result<TransferStats, TransferError> {
+    ) -> Result<TransferStats, TransferFailure> {
         let futs: Vec<_> = parts
             .iter()
             .map(|p| {
                 let engine = self.engine(p.rail).clone();
                 let prepared = Arc::clone(&p.prepared);
-                Box::pin(async move { engine.post(&prepared, opts).await })
+                Box::pin(async move { engine.post_ranges(&prepared, opts).await })
             })
             .collect();
         sum_stats(join_all(futs).await)
@@ -212,9 +213,7 @@ impl Rails {
 ///
 /// # Errors
 /// The first error.
-pub fn sum_stats(
-    results: Vec<Result<TransferStats, TransferError>>,
-) -> Result<TransferStats, TransferError> {
+pub fn sum_stats<E>(results: Vec<Result<TransferStats, E>>) -> Result<TransferStats, E> {
     let mut total = TransferStats::default();
     for r in results {
         let st = r?;
@@ -236,8 +235,9 @@ mod tests {
 
     #[test]
     fn rail_results_add_up_and_a_failed_rail_fails_the_transfer() {
-        let total = sum_stats(vec![Ok(stats(3 << 20, 3, 3)), Ok(stats(2 << 20, 2, 2))])
-            .expect("both rails ok");
+        let total =
+            sum_stats::<TransferError>(vec![Ok(stats(3 << 20, 3, 3)), Ok(stats(2 << 20, 2, 2))])
+                .expect("both rails ok");
         assert_eq!(
             (
                 total.bytes,

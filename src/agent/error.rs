@@ -11,9 +11,22 @@ pub enum AgentError {
     /// The engine failed to start or a control operation failed.
     #[error(transparent)]
     Runtime(#[from] RuntimeError),
-    /// A transfer failed.
+    /// A transfer failed before any of its work was posted (nothing was sent).
     #[error(transparent)]
     Transfer(#[from] TransferError),
+    /// A transfer failed after its work began: which descriptors (indices into the local list)
+    /// completed, failed (or may have: their outcome is unknown), or were never posted. A
+    /// serving engine marks exactly `descriptors.failed()` and `descriptors.not_posted()`
+    /// invalid and recomputes them. A transfer striped over several rails names every posted
+    /// descriptor failed.
+    #[error("{source}: descriptors {}..{} failed, {}..{} not posted", .descriptors.completed, .descriptors.posted, .descriptors.posted, .descriptors.total)]
+    Incomplete {
+        /// What failed.
+        #[source]
+        source: TransferError,
+        /// Which descriptors completed, failed, or were never posted.
+        descriptors: crate::runtime::DescriptorRanges,
+    },
     /// Metadata was rejected.
     #[error(transparent)]
     Metadata(#[from] MetadataError),
@@ -112,6 +125,36 @@ pub enum AgentError {
 }
 
 impl AgentError {
+    /// The transfer error, whether the transfer failed before or after posting began.
+    pub fn transfer_error(&self) -> Option<&TransferError> {
+        match self {
+            AgentError::Transfer(e) | AgentError::Incomplete { source: e, .. } => Some(e),
+            _ => None,
+        }
+    }
+
+    /// A transfer's failure as the agent reports it: [`AgentError::Incomplete`] once some of
+    /// its work was posted, [`AgentError::Transfer`] otherwise. `parts` is the number of rails
+    /// it was striped over and `descriptors` the length of its local list.
+    pub(crate) fn from_failure(
+        f: crate::runtime::TransferFailure,
+        parts: usize,
+        descriptors: usize,
+    ) -> Self {
+        if f.descriptors.posted == 0 && f.descriptors.completed == 0 {
+            return AgentError::Transfer(f.error);
+        }
+        let descriptors = if parts == 1 {
+            f.descriptors
+        } else {
+            crate::runtime::DescriptorRanges::all_failed(descriptors)
+        };
+        AgentError::Incomplete {
+            source: f.error,
+            descriptors,
+        }
+    }
+
     /// `peer` has no region `region` visible to us.
     pub(crate) fn unknown_region(peer: &str, region: u64) -> Self {
         AgentError::UnknownRegion {

@@ -261,25 +261,51 @@ impl Agent {
             .engine(0)
             .register_gpu(ordinal, len)
             .await?;
-        let export =
-            region
-                .gpu_memory()
-                .and_then(|m| match crate::nvlink::ipc::IpcHandle::export(m) {
-                    Ok(handle) => Some(VramExport {
-                        gpu: ordinal as u32,
-                        handle,
-                    }),
-                    Err(e) => {
-                        tracing::warn!(error = %e, "VRAM region not exported for CUDA IPC");
-                        None
-                    }
-                });
-        Ok(self.add_registration(Reg {
+        Ok(self.add_vram(region, visibility))
+    }
+
+    /// Registers GPU memory the caller already owns (its allocator's), visible per
+    /// `visibility`: a cudarc `CudaSlice` ([`DeviceMemory::from_cuda_slice`], owned from now
+    /// on) or a raw device pointer with its GPU (the `unsafe` [`DeviceMemory::from_raw`], also a
+    /// range inside a larger allocation, checked with `cuMemGetAddressRange`). Registered for
+    /// GPUDirect RDMA as [`Self::register_vram`] is, and exported for CUDA IPC when it starts
+    /// at its allocation's base (an IPC handle names a whole allocation).
+    ///
+    /// [`DeviceMemory::from_cuda_slice`]: crate::gpudirect::DeviceMemory::from_cuda_slice
+    /// [`DeviceMemory::from_raw`]: crate::gpudirect::DeviceMemory::from_raw
+    ///
+    /// # Errors
+    /// [`AgentError::Runtime`] with the registration failure of both GPUDirect paths.
+    pub async fn register_device(
+        &self,
+        mem: crate::gpudirect::DeviceMemory,
+        visibility: Visibility,
+    ) -> Result<Registration, AgentError> {
+        let region = self.inner.rails.engine(0).register_device(mem).await?;
+        Ok(self.add_vram(region, visibility))
+    }
+
+    /// A VRAM region registered, with its CUDA IPC export when it can have one.
+    fn add_vram(&self, region: Region, visibility: Visibility) -> Registration {
+        let export = region
+            .gpu_memory()
+            .filter(|m| m.dmabuf_offset() == 0)
+            .and_then(|m| match crate::nvlink::ipc::IpcHandle::export(m) {
+                Ok(handle) => Some(VramExport {
+                    gpu: m.gpu().ordinal() as u32,
+                    handle,
+                }),
+                Err(e) => {
+                    tracing::warn!(error = %e, "VRAM region not exported for CUDA IPC");
+                    None
+                }
+            });
+        self.add_registration(Reg {
             region,
             rails: Vec::new(),
             visibility,
             export,
-        }))
+        })
     }
 
     /// Registers host memory the caller already owns (a serving engine's KV cache or weights),

@@ -356,6 +356,7 @@ impl Agent {
         let request = RdmaRequest {
             parts,
             opts: engine_opts,
+            descriptors,
         };
         let mut st = transport.transfer(op, request).await?;
         st.descriptors = descriptors;
@@ -550,7 +551,12 @@ impl Agent {
         let mut engine_opts = TransferOptions::default();
         engine_opts.timeout = opts.timeout;
         let t0 = std::time::Instant::now();
-        let mut st = self.inner.rails.post(&parts, engine_opts).await?;
+        let mut st = self
+            .inner
+            .rails
+            .post(&parts, engine_opts)
+            .await
+            .map_err(|f| AgentError::from_failure(f, parts.len(), req.descriptors))?;
         st.descriptors = req.descriptors;
         if let Ok(p) = self.inner.peer(&req.peer) {
             self.inner

@@ -15,6 +15,8 @@ pub(crate) struct RdmaRequest {
     pub parts: Vec<RailPart>,
     /// The engine's options (the per-call deadline).
     pub opts: TransferOptions,
+    /// Descriptors of the whole transfer (its local list), for naming failed ones.
+    pub descriptors: usize,
 }
 
 impl Transport for RdmaTransport<'_> {
@@ -25,6 +27,10 @@ impl Transport for RdmaTransport<'_> {
         op: Op,
         request: Self::Request<'_>,
     ) -> Result<TransferStats, AgentError> {
-        Ok(self.rails.transfer(op, request.parts, request.opts).await?)
+        let parts = request.parts.len();
+        self.rails
+            .transfer(op, request.parts, request.opts)
+            .await
+            .map_err(|f| AgentError::from_failure(f, parts, request.descriptors))
     }
 }

@@ -26,7 +26,10 @@ use crate::error::{RuntimeError, TransferError};
 use crate::id::next_engine_id;
 
 pub use config::{EngineConfig, PollMode};
-pub use rixl_proto::{ConnId, EngineCounters, Message, TransferOptions, TransferStats};
+pub use rixl_proto::{
+    ConnId, DescriptorRanges, EngineCounters, Message, Progress, TransferFailure, TransferOptions,
+    TransferStats,
+};
 pub use transfer::PreparedTransfer;
 
 use nic::VerbsQueue;
@@ -234,6 +237,25 @@ impl Engine {
             .spawn_blocking(move || {
                 let gpu = rixl_gpudirect::Gpu::open(ordinal)?;
                 let mem = rixl_gpudirect::DeviceMemory::alloc(&gpu, len)?;
+                rixl_gpudirect::GpuRegistration::register(&pd, mem, AccessFlags::ALL_RDMA)
+            })
+            .await?;
+        Ok(Region::gpu(reg, self.inner.id))
+    }
+
+    /// Registers the caller's GPU memory (its allocator's, see
+    /// [`rixl_gpudirect::DeviceMemory::from_cuda_slice`] and `from_raw`) with this engine's NIC,
+    /// as [`Engine::register_gpu`] does for memory it allocates. Runs off the core.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Gpu`] when neither registration path works.
+    pub async fn register_device(
+        &self,
+        mem: rixl_gpudirect::DeviceMemory,
+    ) -> Result<Region, RuntimeError> {
+        let pd = self.inner.pd.clone();
+        let reg = glommio::executor()
+            .spawn_blocking(move || {
                 rixl_gpudirect::GpuRegistration::register(&pd, mem, AccessFlags::ALL_RDMA)
             })
             .await?;

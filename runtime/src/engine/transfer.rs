@@ -8,7 +8,7 @@ use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use rixl_proto::{Completion, ConnId, Message, Op, Plan, Posting, RegionInfo, SendOp, Sge};
-use rixl_proto::{TransferOptions, TransferStats};
+use rixl_proto::{DescriptorRanges, TransferFailure, TransferOptions, TransferStats};
 use rixl_verbs::WorkCompletion;
 use smallvec::SmallVec;
 use tracing::Instrument;
@@ -38,6 +38,8 @@ pub struct PreparedTransfer {
     plan: Plan,
     regions: SmallVec<[Region; 2]>,
     descriptors: usize,
+    /// The local descriptors' lengths, to name the ones a failed post did not complete.
+    lens: Box<[u64]>,
 }
 
 impl PreparedTransfer {
@@ -54,6 +56,11 @@ impl PreparedTransfer {
     /// Bytes each post moves.
     pub fn bytes(&self) -> u64 {
         self.plan.bytes
+    }
+
+    /// Local descriptors it moves.
+    pub fn descriptors(&self) -> usize {
+        self.descriptors
     }
 
     /// Work requests each post takes (after merging adjacent descriptors).
@@ -116,6 +123,24 @@ impl Engine {
         remote: &RemoteDescList,
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferError> {
+        self.transfer_ranges(conn, op, local, remote, opts)
+            .await
+            .map_err(|f| f.error)
+    }
+
+    /// [`Engine::transfer`], with a failure naming which descriptors completed, failed, or
+    /// were never posted (a failure before posting names none posted).
+    ///
+    /// # Errors
+    /// See [`TransferFailure`].
+    pub async fn transfer_ranges(
+        &self,
+        conn: ConnId,
+        op: Op,
+        local: &LocalDescList,
+        remote: &RemoteDescList,
+        opts: TransferOptions,
+    ) -> Result<TransferStats, TransferFailure> {
         probe::stamp(Point::Entry);
         let span = tracing::debug_span!(
             "transfer",
@@ -176,6 +201,7 @@ impl Engine {
             plan,
             regions: local.regions().iter().cloned().collect(),
             descriptors: local.len(),
+            lens: local.descs().iter().map(|d| d.len).collect(),
         })
     }
 
@@ -191,6 +217,19 @@ impl Engine {
         prepared: &PreparedTransfer,
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferError> {
+        self.post_ranges(prepared, opts).await.map_err(|f| f.error)
+    }
+
+    /// [`Engine::post`], with a failure naming which descriptors completed, failed, or were
+    /// never posted.
+    ///
+    /// # Errors
+    /// See [`TransferFailure`].
+    pub async fn post_ranges(
+        &self,
+        prepared: &PreparedTransfer,
+        opts: TransferOptions,
+    ) -> Result<TransferStats, TransferFailure> {
         probe::stamp(Point::Entry);
         let inner = Rc::clone(&self.inner);
         let span = tracing::debug_span!(
@@ -304,6 +343,30 @@ fn since(a: Option<Instant>, b: Option<Instant>) -> Duration {
     }
 }
 
+/// A failure before anything was posted: every descriptor not posted.
+fn unposted(error: TransferError, descriptors: usize) -> TransferFailure {
+    TransferFailure {
+        error,
+        descriptors: DescriptorRanges {
+            completed: 0,
+            posted: 0,
+            total: descriptors,
+        },
+    }
+}
+
+/// A failure after posting began, with the descriptors (of lengths `lens`) its progress covers.
+fn failed(
+    error: TransferError,
+    guard: &SlotGuard,
+    lens: impl IntoIterator<Item = u64>,
+) -> TransferFailure {
+    TransferFailure {
+        error,
+        descriptors: DescriptorRanges::of(guard.posting.progress(), lens),
+    }
+}
+
 /// Detaches a slot when the transfer future goes away before taking its result.
 struct SlotGuard {
     inner: Rc<Inner>,
@@ -378,7 +441,7 @@ async fn transfer_inner(
     remote: &RemoteDescList,
     opts: TransferOptions,
     span: tracing::Span,
-) -> Result<TransferStats, TransferError> {
+) -> Result<TransferStats, TransferFailure> {
     let clock = || inner.cfg.timing.then(Instant::now);
     let t0 = clock();
     let mut plan = inner.core.borrow_mut().take_plan();
@@ -392,7 +455,7 @@ async fn transfer_inner(
         &mut plan,
     ) {
         inner.core.borrow_mut().recycle_plan(plan);
-        return Err(e);
+        return Err(unposted(e, local.len()));
     }
     span.record("bytes", plan.bytes);
     span.record("wrs", plan.wrs.len());
@@ -402,7 +465,9 @@ async fn transfer_inner(
     // The plan goes back to the pool before the wait: concurrent transfers share few plans.
     inner.core.borrow_mut().recycle_plan(plan);
     let posted = clock();
-    wait_slot(&mut guard).await?;
+    wait_slot(&mut guard)
+        .await
+        .map_err(|e| failed(e, &guard, local.descs().iter().map(|d| d.len)))?;
     let mut stats =
         TransferStats::new(bytes, local.len(), work_requests, guard.posting.doorbells());
     stats.prepare = since(t0, prepared);
@@ -415,19 +480,25 @@ async fn post_prepared(
     inner: &Rc<Inner>,
     p: &PreparedTransfer,
     opts: &TransferOptions,
-) -> Result<TransferStats, TransferError> {
+) -> Result<TransferStats, TransferFailure> {
     let clock = || inner.cfg.timing.then(Instant::now);
     let t0 = clock();
     if p.engine != inner.id {
-        return Err(InvalidDescriptor::ForeignRegion { index: 0 }.into());
+        return Err(unposted(
+            InvalidDescriptor::ForeignRegion { index: 0 }.into(),
+            p.descriptors,
+        ));
     }
     inner
         .core
         .borrow()
-        .check_epoch(p.conn, p.epoch, p.op, opts.notify_imm.is_some())?;
+        .check_epoch(p.conn, p.epoch, p.op, opts.notify_imm.is_some())
+        .map_err(|e| unposted(e, p.descriptors))?;
     let mut guard = post_plan(inner, p.conn, p.op, &p.plan, &p.regions, opts).await;
     let posted = clock();
-    wait_slot(&mut guard).await?;
+    wait_slot(&mut guard)
+        .await
+        .map_err(|e| failed(e, &guard, p.lens.iter().copied()))?;
     let mut stats = TransferStats::new(
         p.plan.bytes,
         p.descriptors,
