@@ -69,6 +69,8 @@ $guest_env
 export RIXL_IN_GUEST=1 RIXL_RDMA_DEVICE=rxe0 RIXL_GID_INDEX=1
 export HOME=/root PATH=/root/.cargo/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin
 ulimit -l unlimited 2>/dev/null
+# A few 2 MiB huge pages, so registrations of huge-page memory are exercised too.
+echo 8 > /proc/sys/vm/nr_hugepages 2>/dev/null || true
 cd "\$RIXL_CWD" 2>/dev/null || cd "\$RIXL_WS"
 "\${cmd[@]}"
 EOF
