@@ -484,3 +484,60 @@ impl Drop for PinnedHostMemory {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn caller_ranges_are_checked_against_their_allocation() {
+        let gpu = match Gpu::open(0) {
+            Ok(g) => g,
+            Err(e) => {
+                assert!(matches!(e, Error::NoCuda | Error::Driver { .. }), "{e}");
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "SKIPPED caller_ranges_are_checked_against_their_allocation: no GPU ({e})"
+                );
+                return;
+            }
+        };
+        let pool = Arc::new(DeviceMemory::alloc(&gpu, 4 << 20).expect("alloc"));
+        let pattern: Vec<u8> = (0..(1 << 20)).map(|i| (i % 251) as u8).collect();
+        pool.write(1 << 20, &pattern).expect("write");
+        // SAFETY: the range lies inside `pool`, which outlives `inner`.
+        let inner = unsafe { DeviceMemory::from_raw(&gpu, pool.addr() + (1 << 20), 1 << 20) }
+            .expect("a range inside the allocation");
+        assert_eq!(inner.dmabuf_offset(), 1 << 20);
+        let mut back = vec![0u8; 1 << 20];
+        inner.read(0, &mut back).expect("read");
+        assert!(back == pattern);
+        // Borrowed memory: dropping it does not free the pool.
+        drop(inner);
+        // SAFETY: refused before the range is used.
+        let outside = unsafe { DeviceMemory::from_raw(&gpu, pool.addr() + (1 << 20), 8 << 20) };
+        assert!(
+            matches!(outside, Err(Error::OutsideAllocation { .. })),
+            "{outside:?}"
+        );
+        // SAFETY: refused before the range is used.
+        let empty = unsafe { DeviceMemory::from_raw(&gpu, pool.addr(), 0) };
+        assert!(matches!(empty, Err(Error::InvalidArgument(_))));
+        let layer = DeviceMemory::slice_of(&pool, 1 << 20, 1 << 20).expect("slice");
+        layer.read(0, &mut back).expect("read");
+        assert!(back == pattern);
+        assert!(DeviceMemory::slice_of(&pool, 3 << 20, 2 << 20).is_err());
+        // A cudarc allocation, owned from now on.
+        let ctx = cudarc::driver::CudaContext::new(0).expect("context");
+        let slice = ctx
+            .default_stream()
+            .alloc_zeros::<u8>(1 << 20)
+            .expect("cudarc alloc");
+        let mem = DeviceMemory::from_cuda_slice(slice).expect("from cudarc");
+        mem.write(0, &pattern).expect("write");
+        mem.read(0, &mut back).expect("read");
+        assert!(back == pattern);
+        assert_eq!(mem.dmabuf_offset(), 0);
+    }
+}
