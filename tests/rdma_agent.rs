@@ -8,7 +8,9 @@ use futures_lite::future::block_on;
 use futures_lite::StreamExt;
 use rixl::agent::{Agent, AgentConfig, AgentError, RemoteRef, Visibility};
 use rixl::runtime::{LocalDescList, Op, TransferError};
-use rixl_testkit::{fill, pattern, peer_control, report, require_or_skip, spawn_peer, Control};
+use rixl_testkit::{
+    example, fill, pattern, peer_control, report, require_or_skip, spawn_peer, Control,
+};
 
 const BLOCK: u64 = 16 << 10;
 const BLOCKS: u64 = 512; // 8 MiB of KV blocks
@@ -600,18 +602,6 @@ fn read_and_check(
             .all(|(k, &x)| x == pattern(SEED, base + k)),
         "block {block}"
     );
-}
-
-/// An example binary, built next to the test binaries (target/<profile>/examples).
-fn example(name: &str) -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("exe");
-    let path = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .map(|p| p.join("examples").join(name))
-        .expect("examples dir");
-    assert!(path.exists(), "build the example first: {}", path.display());
-    path
 }
 
 #[test]

@@ -14,7 +14,7 @@ use rixl::agent::{
 use rixl::runtime::{LocalDescList, Op, TransferError};
 use rixl::verbs::memmap2::{MmapMut, MmapOptions};
 use rixl::verbs::HostBuffer;
-use rixl_testkit::{fill, report, require_or_skip};
+use rixl_testkit::{example, fill, report, require_or_skip};
 
 /// Two agents in one process: `owner` exports memory, `user` (on the other core) loaded its
 /// metadata over the side channel.
@@ -48,6 +48,20 @@ impl Pair {
             .local_metadata(self.user.name())
             .expect("metadata");
         self.peer = self.user.load_remote_metadata(&blob).expect("load");
+    }
+
+    /// `len` bytes on the owner filled with pattern `seed` (its metadata then loaded by the
+    /// user), and `len` zeroed bytes on the user.
+    fn src_dst(
+        &mut self,
+        len: usize,
+        seed: u64,
+    ) -> (rixl::agent::Registration, rixl::agent::Registration) {
+        let src = block_on(self.owner.register(len, Visibility::All)).expect("src");
+        src.region().write_at(0, &patterned(len, seed)).unwrap();
+        self.sync();
+        let dst = block_on(self.user.register(len, Visibility::All)).expect("dst");
+        (src, dst)
     }
 
     fn shutdown(self) {
@@ -422,11 +436,8 @@ fn cancel_abandoned_transfers_post_nothing_more_and_do_not_delay_the_next_one() 
         return;
     };
     const LEN: usize = 16 << 20;
-    let src = block_on(p.owner.register(LEN, Visibility::All)).expect("src");
-    src.region().write_at(0, &patterned(LEN, 13)).unwrap();
-    p.sync();
+    let (src, dst) = p.src_dst(LEN, 13);
     block_on(p.user.connect(&p.peer)).expect("connect");
-    let dst = block_on(p.user.register(LEN, Visibility::All)).expect("dst");
     let before = block_on(p.user.rail_counters())[0];
     let mut ts = scattered(&p, &dst, src.id(), 1000);
     // Descriptors asked for (scattered: nearly one work request each).
@@ -555,9 +566,7 @@ fn caller_owned_transfers_take_a_per_call_notification_and_timeout() {
         return;
     };
     const LEN: usize = 32 << 20;
-    let src = block_on(p.owner.register(LEN, Visibility::All)).expect("src");
-    p.sync();
-    let dst = block_on(p.user.register(LEN, Visibility::All)).expect("dst");
+    let (src, dst) = p.src_dst(LEN, 0);
     let mut notifs = p.owner.notifications().expect("stream");
     let mut local = LocalDescList::new();
     local.push(dst.region(), 0, 4096);
@@ -720,9 +729,7 @@ fn estimate_lands_within_30_percent_of_measured_times_from_4k_to_8m() {
         return;
     };
     const LEN: usize = 16 << 20;
-    let src = block_on(p.owner.register(LEN, Visibility::All)).expect("src");
-    p.sync();
-    let dst = block_on(p.user.register(LEN, Visibility::All)).expect("dst");
+    let (src, dst) = p.src_dst(LEN, 0);
     let list = |bytes: u64, pieces: u64| {
         let mut local = LocalDescList::new();
         let mut remote = Vec::new();
@@ -797,18 +804,6 @@ fn estimate_lands_within_30_percent_of_measured_times_from_4k_to_8m() {
         worst * 100.0
     );
     p.shutdown();
-}
-
-/// An example binary, built next to the test binaries (target/<profile>/examples).
-fn example(name: &str) -> std::path::PathBuf {
-    let exe = std::env::current_exe().expect("exe");
-    let path = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .map(|p| p.join("examples").join(name))
-        .expect("examples dir");
-    assert!(path.exists(), "build the example first: {}", path.display());
-    path
 }
 
 #[test]

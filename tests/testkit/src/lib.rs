@@ -6,6 +6,7 @@
 //! - [`spawn_peer`] / [`peer_control`]: the test binary re-executes itself as a peer process (an
 //!   `#[ignore]`d entry test) that connects back over TCP on loopback.
 //! - [`Control`]: a length-prefixed frame channel for the two processes' handshakes and commands.
+//! - [`example`]: the path of a built example binary, for tests that run one.
 #![forbid(unsafe_code)]
 
 use std::fmt::Display;
@@ -122,6 +123,22 @@ pub fn fill_from(buf: &mut [u8], seed: u64, base: usize) {
 /// Fills `buf` with the pattern of `seed`.
 pub fn fill(buf: &mut [u8], seed: u64) {
     fill_from(buf, seed, 0);
+}
+
+/// An example binary of the workspace, built next to the test binaries
+/// (`target/<profile>/examples/<name>`).
+///
+/// # Panics
+/// If it was not built (`cargo test` builds the examples of the package under test).
+pub fn example(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("exe");
+    let path = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .map(|p| p.join("examples").join(name))
+        .expect("examples dir");
+    assert!(path.exists(), "build the example first: {}", path.display());
+    path
 }
 
 #[cfg(test)]
