@@ -68,6 +68,16 @@ struct Slot<K> {
     keepalive: K,
 }
 
+/// A transfer's failure as its slot ends: the error, and how many of its signaled requests had
+/// completed successfully before it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotFailure {
+    /// The transfer's error.
+    pub error: TransferError,
+    /// Signaled requests that completed successfully before the error.
+    pub ok_signaled: u32,
+}
+
 /// What a completion did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Routed {
@@ -318,26 +328,35 @@ impl<K> InflightTable<K> {
     /// Polls a transfer: ready (and the slot released) once posting ended and nothing is
     /// outstanding, or at once (slot detached) when it expired; otherwise registers the waker.
     pub fn poll(&mut self, id: SlotId, cx: &mut Context<'_>) -> Poll<Result<(), TransferError>> {
-        self.poll_with(id, Some(cx))
+        self.poll_counted(id, Some(cx)).map_err(|f| f.error)
     }
 
     /// [`InflightTable::poll`] without registering a waker: the result if `id` has one now.
     pub fn try_take(&mut self, id: SlotId) -> Poll<Result<(), TransferError>> {
-        self.poll_with(id, None)
+        self.poll_counted(id, None).map_err(|f| f.error)
     }
 
-    fn poll_with(
+    /// [`InflightTable::poll`] (with a waker) or [`InflightTable::try_take`] (without), a
+    /// failure carrying how many of the slot's signaled requests had completed successfully
+    /// before the error (read from the slot as it is released, so only a failure pays for it).
+    pub fn poll_counted(
         &mut self,
         id: SlotId,
         cx: Option<&mut Context<'_>>,
-    ) -> Poll<Result<(), TransferError>> {
+    ) -> Poll<Result<(), SlotFailure>> {
         let Some(slot) = self.get_mut(id) else {
-            return Poll::Ready(Err(TransferError::EngineGone));
+            return Poll::Ready(Err(SlotFailure {
+                error: TransferError::EngineGone,
+                ok_signaled: 0,
+            }));
         };
         if slot.expired {
-            let err = slot.error.clone().unwrap_or(TransferError::Flushed);
+            let failure = SlotFailure {
+                error: slot.error.clone().unwrap_or(TransferError::Flushed),
+                ok_signaled: slot.ok_signaled,
+            };
             self.detach(id);
-            return Poll::Ready(Err(err));
+            return Poll::Ready(Err(failure));
         }
         if slot.posting || slot.outstanding > 0 {
             if let Some(cx) = cx {
@@ -349,7 +368,11 @@ impl<K> InflightTable<K> {
             return Poll::Pending;
         }
         let slot = self.slots.remove(id.key as usize);
-        Poll::Ready(slot.error.map_or(Ok(()), Err))
+        let ok_signaled = slot.ok_signaled;
+        Poll::Ready(
+            slot.error
+                .map_or(Ok(()), |error| Err(SlotFailure { error, ok_signaled })),
+        )
     }
 
     /// The future of `id` went away (dropped, timed out or forgotten): stop posting for it. The
@@ -368,15 +391,6 @@ impl<K> InflightTable<K> {
         } else {
             false
         }
-    }
-
-    /// Signaled requests of `id` that completed successfully before any error (0 for a slot
-    /// that is gone).
-    pub fn ok_signaled(&self, id: SlotId) -> u32 {
-        self.slots
-            .get(id.key as usize)
-            .filter(|s| s.generation == id.generation)
-            .map_or(0, |s| s.ok_signaled)
     }
 
     /// The error of an expired slot (its deadline passed), if it expired.

@@ -12,7 +12,7 @@ use crate::conn::{COALESCE_MAX_WRS, COALESCE_SIGNAL_INTERVAL};
 use crate::core::Core;
 use crate::desc::Op;
 use crate::error::TransferError;
-use crate::inflight::SlotId;
+use crate::inflight::{SlotFailure, SlotId};
 use crate::queue::SendQueue;
 use crate::stats::{ConnId, Progress, TransferOptions};
 use crate::wire::{SendFlags, SendOp, Sge};
@@ -114,9 +114,12 @@ impl<Q: SendQueue> Core<Q> {
         }
     }
 
-    /// Records how far `p` got, when its result is an error.
-    fn note_result(&self, p: &mut Posting, ok_signaled: u32, r: &Poll<Result<(), TransferError>>) {
-        if let Poll::Ready(Err(_)) = r {
+    /// The slot's result for `p`, recording how far `p` got when it is a failure.
+    fn finish(
+        p: &mut Posting,
+        r: Poll<Result<(), SlotFailure>>,
+    ) -> Poll<Result<(), TransferError>> {
+        r.map_err(|f| {
             p.progress = if p.queued {
                 Progress {
                     completed_bytes: 0,
@@ -124,14 +127,15 @@ impl<Q: SendQueue> Core<Q> {
                 }
             } else {
                 Progress {
-                    completed_bytes: (ok_signaled as usize)
+                    completed_bytes: (f.ok_signaled as usize)
                         .checked_sub(1)
                         .and_then(|i| p.signaled_at.get(i).copied())
                         .unwrap_or(0),
                     posted_bytes: p.bytes_posted,
                 }
             };
-        }
+            f.error
+        })
     }
 
     /// Posts what send credits allow of `plan` for `p`. Ready once posting ended (every request
@@ -208,10 +212,8 @@ impl<Q: SendQueue> Core<Q> {
     /// The transfer's result if it has one now, without registering a waker (so a future that
     /// reaps its own completion does not wake itself).
     pub fn try_finish(&mut self, p: &mut Posting) -> Poll<Result<(), TransferError>> {
-        let ok = self.inflight.ok_signaled(p.slot);
-        let r = self.inflight.try_take(p.slot);
+        let r = Self::finish(p, self.inflight.poll_counted(p.slot, None));
         p.finished |= r.is_ready();
-        self.note_result(p, ok, &r);
         r
     }
 
@@ -221,13 +223,11 @@ impl<Q: SendQueue> Core<Q> {
         p: &mut Posting,
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), TransferError>> {
-        let ok = self.inflight.ok_signaled(p.slot);
-        let r = self.inflight.poll(p.slot, cx);
+        let r = Self::finish(p, self.inflight.poll_counted(p.slot, Some(cx)));
         if r.is_pending() {
             self.arm(p);
         } else {
             p.finished = true;
-            self.note_result(p, ok, &r);
         }
         r
     }

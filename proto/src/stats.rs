@@ -131,6 +131,20 @@ pub struct TransferFailure {
     pub descriptors: DescriptorRanges,
 }
 
+impl TransferFailure {
+    /// A failure before anything was posted: all `descriptors` not posted.
+    pub fn before_posting(error: crate::error::TransferError, descriptors: usize) -> Self {
+        TransferFailure {
+            error,
+            descriptors: DescriptorRanges {
+                completed: 0,
+                posted: 0,
+                total: descriptors,
+            },
+        }
+    }
+}
+
 /// Counters of one engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]

@@ -349,11 +349,17 @@ impl EngineHandle {
         self.on_core_or_cancel(move |s| async move {
             match s.engine.as_ref() {
                 Some(e) => e.transfer_ranges(conn, op, &local, &remote, opts).await,
-                None => Err(nothing_posted(TransferError::NoNic, descriptors)),
+                None => Err(TransferFailure::before_posting(
+                    TransferError::NoNic,
+                    descriptors,
+                )),
             }
         })
         .await
-        .unwrap_or(Err(nothing_posted(TransferError::EngineGone, descriptors)))
+        .unwrap_or(Err(TransferFailure::before_posting(
+            TransferError::EngineGone,
+            descriptors,
+        )))
     }
 
     /// [`Self::transfer`] of a WRITE with default options.
@@ -431,11 +437,17 @@ impl EngineHandle {
         self.on_core_or_cancel(move |s| async move {
             match s.engine.as_ref() {
                 Some(e) => e.post_ranges(&prepared, opts).await,
-                None => Err(nothing_posted(TransferError::NoNic, descriptors)),
+                None => Err(TransferFailure::before_posting(
+                    TransferError::NoNic,
+                    descriptors,
+                )),
             }
         })
         .await
-        .unwrap_or(Err(nothing_posted(TransferError::EngineGone, descriptors)))
+        .unwrap_or(Err(TransferFailure::before_posting(
+            TransferError::EngineGone,
+            descriptors,
+        )))
     }
 
     /// See [`Engine::send`].
@@ -497,18 +509,6 @@ impl EngineHandle {
         if self.tx.unbounded_send(Command::Shutdown(tx)).is_ok() {
             let _ = rx.await;
         }
-    }
-}
-
-/// A failure with nothing posted.
-fn nothing_posted(error: TransferError, descriptors: usize) -> TransferFailure {
-    TransferFailure {
-        error,
-        descriptors: rixl_proto::DescriptorRanges {
-            completed: 0,
-            posted: 0,
-            total: descriptors,
-        },
     }
 }
 

@@ -37,6 +37,21 @@ impl CallOptions {
         self
     }
 
+    /// Options carrying `notification` alone (the shape of the calls that take one).
+    pub(crate) fn notifying(notification: Option<&[u8]>) -> Self {
+        CallOptions {
+            notification: notification.map(<[u8]>::to_vec),
+            ..CallOptions::default()
+        }
+    }
+
+    /// The engine's options for these (the deadline).
+    pub(crate) fn engine(&self) -> crate::runtime::TransferOptions {
+        let mut o = crate::runtime::TransferOptions::default();
+        o.timeout = self.timeout;
+        o
+    }
+
     /// With a notification.
     #[must_use]
     pub fn notification(mut self, msg: impl Into<Vec<u8>>) -> Self {

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::nvlink::plan::IpcPlan;
 use crate::runtime::{
     FileDesc, LocalDescList, Op, PreparedPart, RailPart, RailSlice, Region, RemoteDesc,
-    RemoteDescList, TransferOptions, TransferStats,
+    RemoteDescList, TransferStats,
 };
 use crate::transport::{
     FileRequest, FileTransport, IpcRequest, IpcTransport, RdmaRequest, RdmaTransport, Transport,
@@ -215,10 +215,7 @@ impl Agent {
         remote: &[RemoteRef],
         notification: Option<&[u8]>,
     ) -> Transfer {
-        let opts = CallOptions {
-            notification: notification.map(<[u8]>::to_vec),
-            ..CallOptions::default()
-        };
+        let opts = CallOptions::notifying(notification);
         self.transfer_with(peer, op, local, remote, opts)
     }
 
@@ -351,8 +348,7 @@ impl Agent {
         let transport = RdmaTransport {
             rails: &self.inner.rails,
         };
-        let mut engine_opts = TransferOptions::default();
-        engine_opts.timeout = opts.timeout;
+        let engine_opts = opts.engine();
         let request = RdmaRequest {
             parts,
             opts: engine_opts,
@@ -518,10 +514,7 @@ impl Agent {
     /// prepared (it re-joined, or no longer has a region the request uses: nothing is posted),
     /// [`AgentError::UnknownPeer`] if the peer was invalidated; otherwise as [`Self::transfer`].
     pub fn post_request(&self, req: &TransferRequest, notification: Option<&[u8]>) -> Transfer {
-        let opts = CallOptions {
-            notification: notification.map(<[u8]>::to_vec),
-            ..CallOptions::default()
-        };
+        let opts = CallOptions::notifying(notification);
         self.post_request_with(req, opts)
     }
 
@@ -548,8 +541,7 @@ impl Agent {
             }
             RequestPath::Rdma(parts) => parts,
         };
-        let mut engine_opts = TransferOptions::default();
-        engine_opts.timeout = opts.timeout;
+        let engine_opts = opts.engine();
         let t0 = std::time::Instant::now();
         let mut st = self
             .inner
@@ -600,10 +592,7 @@ impl Agent {
         remote_idx: &[usize],
         notification: Option<&[u8]>,
     ) -> Transfer {
-        let opts = CallOptions {
-            notification: notification.map(<[u8]>::to_vec),
-            ..CallOptions::default()
-        };
+        let opts = CallOptions::notifying(notification);
         self.transfer_indices_with(op, local, local_idx, remote, remote_idx, opts)
     }
 

@@ -79,15 +79,16 @@ impl HostBuffer {
         })
     }
 
-    fn owned(ptr: *mut u8, len: usize, owner: Box<dyn Any + Send + Sync>) -> Result<Self> {
+    /// Caller memory at `ptr` kept valid by `backing`; refused if null or empty.
+    fn caller(ptr: *mut u8, len: usize, backing: Backing) -> Result<Self> {
         let ptr = NonNull::new(ptr).filter(|_| len > 0).ok_or_else(|| {
             Error::InvalidArgument("caller memory must be non-null and non-empty".into())
         })?;
-        Ok(HostBuffer {
-            ptr,
-            len,
-            backing: Backing::Owned(owner),
-        })
+        Ok(HostBuffer { ptr, len, backing })
+    }
+
+    fn owned(ptr: *mut u8, len: usize, owner: Box<dyn Any + Send + Sync>) -> Result<Self> {
+        Self::caller(ptr, len, Backing::Owned(owner))
     }
 
     /// The caller's `Vec`, owned from now on (its length is the buffer's; its heap allocation
@@ -150,14 +151,7 @@ impl HostBuffer {
     /// # Errors
     /// [`Error::InvalidArgument`] for a null pointer or zero length.
     pub unsafe fn from_raw(ptr: *mut u8, len: usize) -> Result<Self> {
-        let ptr = NonNull::new(ptr).filter(|_| len > 0).ok_or_else(|| {
-            Error::InvalidArgument("caller memory must be non-null and non-empty".into())
-        })?;
-        Ok(HostBuffer {
-            ptr,
-            len,
-            backing: Backing::Borrowed,
-        })
+        Self::caller(ptr, len, Backing::Borrowed)
     }
 
     /// `len` bytes at `offset` of `buf`, as a buffer of their own that keeps `buf` alive (a

@@ -343,18 +343,6 @@ fn since(a: Option<Instant>, b: Option<Instant>) -> Duration {
     }
 }
 
-/// A failure before anything was posted: every descriptor not posted.
-fn unposted(error: TransferError, descriptors: usize) -> TransferFailure {
-    TransferFailure {
-        error,
-        descriptors: DescriptorRanges {
-            completed: 0,
-            posted: 0,
-            total: descriptors,
-        },
-    }
-}
-
 /// A failure after posting began, with the descriptors (of lengths `lens`) its progress covers.
 fn failed(
     error: TransferError,
@@ -455,7 +443,7 @@ async fn transfer_inner(
         &mut plan,
     ) {
         inner.core.borrow_mut().recycle_plan(plan);
-        return Err(unposted(e, local.len()));
+        return Err(TransferFailure::before_posting(e, local.len()));
     }
     span.record("bytes", plan.bytes);
     span.record("wrs", plan.wrs.len());
@@ -484,7 +472,7 @@ async fn post_prepared(
     let clock = || inner.cfg.timing.then(Instant::now);
     let t0 = clock();
     if p.engine != inner.id {
-        return Err(unposted(
+        return Err(TransferFailure::before_posting(
             InvalidDescriptor::ForeignRegion { index: 0 }.into(),
             p.descriptors,
         ));
@@ -493,7 +481,7 @@ async fn post_prepared(
         .core
         .borrow()
         .check_epoch(p.conn, p.epoch, p.op, opts.notify_imm.is_some())
-        .map_err(|e| unposted(e, p.descriptors))?;
+        .map_err(|e| TransferFailure::before_posting(e, p.descriptors))?;
     let mut guard = post_plan(inner, p.conn, p.op, &p.plan, &p.regions, opts).await;
     let posted = clock();
     wait_slot(&mut guard)
