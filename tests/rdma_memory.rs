@@ -78,6 +78,13 @@ fn whole(region: u64, len: u64) -> [RemoteRef; 1] {
     }]
 }
 
+/// The first `len` bytes of `reg` as one local descriptor.
+fn head(reg: &rixl::agent::Registration, len: u64) -> LocalDescList {
+    let mut local = LocalDescList::new();
+    local.push(reg.region(), 0, len);
+    local
+}
+
 fn contents(reg: &rixl::agent::Registration) -> Vec<u8> {
     let mut v = vec![0u8; reg.region().len() as usize];
     reg.region().read_at(0, &mut v).expect("read back");
@@ -158,8 +165,7 @@ fn caller_owned_vec_boxed_mmap_shm_static_and_raw_memory_move_every_byte() {
     .expect("user vec");
     for (kind, reg, seed) in &regs {
         let len = reg.region().len();
-        let mut local = LocalDescList::new();
-        local.push(dst.region(), 0, len);
+        let local = head(&dst, len);
         let st = block_on(p.user.read(&p.peer, &local, &whole(reg.id(), len)))
             .unwrap_or_else(|e| panic!("{kind}: read: {e}"));
         assert_eq!(st.bytes, len);
@@ -306,8 +312,7 @@ fn caller_owned_release_waits_for_an_inflight_transfer_and_a_dropped_handle_keep
     ))
     .expect("dst2");
     let view = dst2.region().clone();
-    let mut local = LocalDescList::new();
-    local.push(dst2.region(), 0, LEN as u64);
+    let local = head(&dst2, LEN as u64);
     let t = p.user.read(&p.peer, &local, &whole(src.id(), LEN as u64));
     drop((local, dst2));
     block_on(t).expect("read into a dropped registration");
@@ -379,8 +384,7 @@ fn registration_cache_reuses_contained_ranges_refuses_partial_overlaps_and_count
     // Peers read through the cached inner registration, from its own offsets.
     p.sync();
     let dst = block_on(p.user.register(1 << 20, Visibility::All)).expect("dst");
-    let mut local = LocalDescList::new();
-    local.push(dst.region(), 0, 1 << 20);
+    let local = head(&dst, 1 << 20);
     block_on(p.user.read(&p.peer, &local, &whole(inner.id(), 1 << 20))).expect("read inner");
     assert!(contents(&dst) == patterned(LEN, 11)[1 << 20..2 << 20]);
     let outside = [RemoteRef {
@@ -465,8 +469,7 @@ fn cancel_abandoned_transfers_post_nothing_more_and_do_not_delay_the_next_one() 
     drop(ts);
     // The next transfer completes at once, and right.
     let t0 = Instant::now();
-    let mut local = LocalDescList::new();
-    local.push(dst.region(), 0, 1 << 20);
+    let local = head(&dst, 1 << 20);
     dst.region().write_at(0, &vec![0u8; 1 << 20]).unwrap();
     block_on(p.user.read(&p.peer, &local, &whole(src.id(), 1 << 20))).expect("next read");
     let next = t0.elapsed();
@@ -520,8 +523,7 @@ fn cancel_after_done_does_nothing_and_memory_outlives_a_cancelled_transfer() {
         Visibility::All,
     ))
     .expect("dst");
-    let mut local = LocalDescList::new();
-    local.push(dst.region(), 0, 4096);
+    let local = head(&dst, 4096);
     let mut t = p.user.read(&p.peer, &local, &whole(src.id(), 4096));
     while t.status() == TransferStatus::Pending {
         std::thread::sleep(Duration::from_millis(1));
@@ -536,8 +538,7 @@ fn cancel_after_done_does_nothing_and_memory_outlives_a_cancelled_transfer() {
     drop(local);
     // A large READ cancelled in flight: the handle ends Cancelled, and the release of its
     // destination waits until the posted work has drained.
-    let mut local = LocalDescList::new();
-    local.push(dst.region(), 0, LEN as u64);
+    let local = head(&dst, LEN as u64);
     let mut t = p.user.read(&p.peer, &local, &whole(src.id(), LEN as u64));
     assert_eq!(t.status(), TransferStatus::Pending);
     std::thread::sleep(Duration::from_millis(2));
@@ -554,8 +555,7 @@ fn cancel_after_done_does_nothing_and_memory_outlives_a_cancelled_transfer() {
     );
     // The connection is still good.
     let dst = block_on(p.user.register(4096, Visibility::All)).expect("dst");
-    let mut local = LocalDescList::new();
-    local.push(dst.region(), 0, 4096);
+    let local = head(&dst, 4096);
     block_on(p.user.read(&p.peer, &local, &whole(src.id(), 4096))).expect("after cancel");
     p.shutdown();
 }
@@ -568,8 +568,7 @@ fn caller_owned_transfers_take_a_per_call_notification_and_timeout() {
     const LEN: usize = 32 << 20;
     let (src, dst) = p.src_dst(LEN, 0);
     let mut notifs = p.owner.notifications().expect("stream");
-    let mut local = LocalDescList::new();
-    local.push(dst.region(), 0, 4096);
+    let local = head(&dst, 4096);
     let opts = CallOptions::new().notification(&b"req-42"[..]);
     block_on(
         p.user
@@ -584,8 +583,7 @@ fn caller_owned_transfers_take_a_per_call_notification_and_timeout() {
     // A dead peer: the owner's engine (and its queue pairs) are gone, so nothing answers. The
     // per-call deadline ends the READ long before the transport's own retries would.
     p.owner.shutdown();
-    let mut local = LocalDescList::new();
-    local.push(dst.region(), 0, 4096);
+    let local = head(&dst, 4096);
     let opts = CallOptions::new().timeout(Duration::from_millis(20));
     let t0 = Instant::now();
     let r = block_on(
@@ -637,8 +635,7 @@ fn partial_metadata_sends_only_named_regions_and_updates_merge() {
         .check_remote_metadata(&p.peer, &[r1.id(), r3.id()])
         .expect("both known");
     let dst = block_on(p.user.register(1 << 20, Visibility::All)).expect("dst");
-    let mut local = LocalDescList::new();
-    local.push(dst.region(), 0, 1 << 20);
+    let local = head(&dst, 1 << 20);
     for (r, seed) in [(&r1, 21), (&r3, 23)] {
         block_on(p.user.read(&p.peer, &local, &whole(r.id(), 1 << 20))).expect("read");
         assert!(contents(&dst) == patterned(1 << 20, seed));
@@ -705,8 +702,7 @@ fn connect_makes_the_connection_before_the_first_transfer() {
     let before = block_on(p.user.rail_counters())[0];
     block_on(p.user.connect(&p.peer)).expect("connect again is a no-op");
     let dst = block_on(p.user.register(1 << 20, Visibility::All)).expect("dst");
-    let mut local = LocalDescList::new();
-    local.push(dst.region(), 0, 4096);
+    let local = head(&dst, 4096);
     let t1 = Instant::now();
     block_on(p.user.read(&p.peer, &local, &whole(src.id(), 4096))).expect("first read");
     let first = t1.elapsed();
