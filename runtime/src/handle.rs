@@ -491,6 +491,23 @@ impl EngineHandle {
         .ok_or(RuntimeError::EngineGone)
     }
 
+    /// See [`Engine::connections`] (0 on a core without a NIC).
+    ///
+    /// # Errors
+    /// [`RuntimeError::EngineGone`].
+    pub async fn connections(&self) -> Result<usize, RuntimeError> {
+        self.on_core(|s| async move { s.engine.map_or(0, |e| e.connections()) })
+            .await
+            .ok_or(RuntimeError::EngineGone)
+    }
+
+    /// See [`Engine::connection_usable`] (false once the engine is gone).
+    pub async fn connection_usable(&self, conn: ConnId) -> bool {
+        self.on_core(move |s| async move { s.engine.is_some_and(|e| e.connection_usable(conn)) })
+            .await
+            .unwrap_or(false)
+    }
+
     /// See [`Engine::close_connection`].
     pub async fn close_connection(&self, conn: ConnId) {
         let _ = self

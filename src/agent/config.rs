@@ -1,5 +1,7 @@
 //! How an agent is set up, who may see a registration, and how a peer's memory is addressed.
 
+use std::time::Duration;
+
 use crate::runtime::{EngineConfig, DEFAULT_IO_MEMORY};
 
 /// Who may see a registration in this agent's metadata.
@@ -36,6 +38,9 @@ pub struct AgentConfig {
     /// `cpu`, `cpu + 1`, ...; empty or one entry: a single rail on `engine.device`. Every DRAM
     /// registration is registered on each rail. Default: `RIXL_RDMA_RAILS` (comma-separated).
     pub rails: Vec<String>,
+    /// The longest a connection set-up to a peer may take (the side-channel exchange and the
+    /// queue pair's transitions); a transfer also waits no longer than its own deadline.
+    pub connect_timeout: Duration,
 }
 
 impl Default for AgentConfig {
@@ -52,6 +57,7 @@ impl Default for AgentConfig {
                         .collect()
                 })
                 .unwrap_or_default(),
+            connect_timeout: Duration::from_secs(5),
         }
     }
 }

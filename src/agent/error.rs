@@ -59,9 +59,67 @@ pub enum AgentError {
         /// Region length.
         region_len: u64,
     },
-    /// The side channel failed.
+    /// The side channel failed (the peer answered with an error, or garbage).
     #[error("side channel: {0}")]
     SideChannel(String),
+    /// The side channel could not be reached or timed out.
+    #[error("side channel {addr}: {source}")]
+    SideChannelIo {
+        /// The peer's side-channel address.
+        addr: String,
+        /// The socket error (`TimedOut` or `WouldBlock` past the deadline).
+        #[source]
+        source: std::io::Error,
+    },
+    /// The peer's metadata carries no side-channel address: connections cannot be set up.
+    #[error("peer {0:?} has no side-channel address")]
+    NoSideChannel(String),
+    /// The side channel at a peer's address answered with another agent's metadata.
+    #[error("the side channel of {expected:?} answered as {found:?}")]
+    WrongPeer {
+        /// The peer asked for.
+        expected: String,
+        /// The agent that answered.
+        found: String,
+    },
+    /// A connection set-up did not finish within the call's deadline (it goes on for the next
+    /// caller, bounded by `connect_timeout`).
+    #[error("connecting to {peer:?} (rail {rail}) took longer than the deadline ({after:?})")]
+    ConnectTimeout {
+        /// The peer.
+        peer: String,
+        /// The rail.
+        rail: usize,
+        /// How long the caller waited.
+        after: std::time::Duration,
+    },
+    /// A connection set-up failed; every caller that waited for it gets the same error.
+    #[error("connecting to {peer:?} (rail {rail}) failed: {source}")]
+    ConnectFailed {
+        /// The peer.
+        peer: String,
+        /// The rail.
+        rail: usize,
+        /// Why.
+        #[source]
+        source: std::sync::Arc<AgentError>,
+    },
+    /// The last set-up to the peer failed and its backoff outlasts the caller's deadline.
+    #[error("{peer:?} (rail {rail}) is unreachable: retrying in {retry_in:?} after: {source}")]
+    Unreachable {
+        /// The peer.
+        peer: String,
+        /// The rail.
+        rail: usize,
+        /// When the next set-up may start.
+        retry_in: std::time::Duration,
+        /// The last set-up's error.
+        #[source]
+        source: std::sync::Arc<AgentError>,
+    },
+    /// The agent was shut down.
+    #[error("the agent was shut down")]
+    Stopped,
     /// An index selects no entry of a prepared list.
     #[error("index {index} is out of a prepared list of {len} entries")]
     BadIndex {

@@ -6,6 +6,13 @@
 //! small ones' whole duration). With too little
 //! spread in the samples to separate the terms it falls back to fewer terms (bytes only, then
 //! the mean rate).
+//!
+//! Slow outliers are clipped before they are learned (winsorised): once the model gives
+//! estimates, a sample is taken as at most [`CLIP`]× its estimate. A stall of the host or a
+//! retransmission then moves the fit by a bounded step instead of dragging it by the stall's
+//! whole length, while a link that really gets slower is still followed, a bounded step per
+//! sample. Noise on a link only ever adds time, so fast samples are learned whole: the slow
+//! first transfers of a fresh connection are forgotten as soon as the warm ones arrive.
 
 use std::time::Duration;
 
@@ -13,6 +20,8 @@ use std::time::Duration;
 const DECAY: f64 = 0.97;
 /// Samples before an estimate is given.
 pub(crate) const MIN_SAMPLES: u64 = 4;
+/// The most a sample may exceed the current estimate, as a factor, when it is learned.
+const CLIP: f64 = 3.0;
 
 /// One peer's model.
 #[derive(Debug, Clone, Default)]
@@ -30,9 +39,16 @@ pub(crate) struct RateModel {
 impl RateModel {
     /// Records a transfer of `bytes` in `requests` pieces that took `took`.
     pub fn record(&mut self, bytes: u64, requests: usize, took: Duration) {
-        let t = took.as_secs_f64();
+        let mut t = took.as_secs_f64();
         if t <= 0.0 || !t.is_finite() {
             return;
+        }
+        if self.samples >= 2 * MIN_SAMPLES {
+            if let Some(e) = self.estimate(bytes, requests).map(|e| e.as_secs_f64()) {
+                if e > 0.0 {
+                    t = t.min(e * CLIP);
+                }
+            }
         }
         // Relative error: the sample row and its target scaled by 1/t (the target becomes 1).
         let x = [1.0 / t, bytes as f64 / t, requests as f64 / t];
@@ -183,5 +199,42 @@ mod tests {
         let got = m.estimate(1 << 20, 1).unwrap().as_secs_f64();
         let want = 2.0 * link(1 << 20, 1).as_secs_f64();
         assert!((got / want - 1.0).abs() < 0.05, "{got} vs {want}");
+    }
+
+    #[test]
+    fn stalls_move_the_estimate_a_bounded_step_and_a_real_change_is_still_followed() {
+        let shapes = [(4096u64, 1usize), (65536, 16), (1 << 20, 1), (8 << 20, 128)];
+        let mut m = RateModel::default();
+        for _ in 0..10 {
+            for (bytes, reqs) in shapes {
+                m.record(bytes, reqs, link(bytes, reqs));
+            }
+        }
+        // Three 4 KiB transfers stall for 100 ms each (the host was descheduled).
+        for _ in 0..3 {
+            m.record(4096, 1, Duration::from_millis(100));
+        }
+        for (bytes, reqs) in shapes {
+            let want = link(bytes, reqs).as_secs_f64();
+            let got = m.estimate(bytes, reqs).unwrap().as_secs_f64();
+            assert!(
+                (got / want - 1.0).abs() < 0.30,
+                "{bytes} B in {reqs} after stalls: {got} vs {want}"
+            );
+        }
+        // The link becomes ten times slower: clipping slows the step, not the destination.
+        for _ in 0..300 {
+            for (bytes, reqs) in shapes {
+                m.record(bytes, reqs, link(bytes, reqs) * 10);
+            }
+        }
+        for (bytes, reqs) in shapes {
+            let want = 10.0 * link(bytes, reqs).as_secs_f64();
+            let got = m.estimate(bytes, reqs).unwrap().as_secs_f64();
+            assert!(
+                (got / want - 1.0).abs() < 0.05,
+                "{bytes} B in {reqs} after the change: {got} vs {want}"
+            );
+        }
     }
 }

@@ -15,9 +15,10 @@ use super::AgentError;
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct CallOptions {
-    /// Deadline of the transfer's work once posted (`None`: the engine's `transfer_timeout`).
-    /// Past it the transfer ends with [`crate::runtime::TransferError::Timeout`] (its
-    /// connection is failed, and its memory kept until the flush).
+    /// Deadline of the whole call, a connection set-up included (`None`: the engine's
+    /// `transfer_timeout`). Past it the transfer ends with
+    /// [`crate::runtime::TransferError::Timeout`] (its connection is failed, and its memory
+    /// kept until the flush), or with [`AgentError::ConnectTimeout`] while still connecting.
     pub timeout: Option<Duration>,
     /// A message the peer receives on its notification stream after every descriptor has
     /// completed (at most [`super::MAX_NOTIFICATION`] bytes).
@@ -45,10 +46,10 @@ impl CallOptions {
         }
     }
 
-    /// The engine's options for these (the deadline).
-    pub(crate) fn engine(&self) -> crate::runtime::TransferOptions {
+    /// The engine's options for a call with `deadline`: the time left to it.
+    pub(crate) fn engine(&self, deadline: std::time::Instant) -> crate::runtime::TransferOptions {
         let mut o = crate::runtime::TransferOptions::default();
-        o.timeout = self.timeout;
+        o.timeout = Some(deadline.saturating_duration_since(std::time::Instant::now()));
         o
     }
 

@@ -16,6 +16,7 @@ pub(crate) mod error;
 mod estimate;
 pub mod etcd;
 mod handle;
+mod link;
 pub mod metadata;
 mod notify;
 mod peers;
@@ -38,6 +39,7 @@ pub use crate::runtime::{STRIPE_MIN, STRIPE_SLICE};
 pub use config::{AgentConfig, RemoteRef, Visibility};
 pub use error::AgentError;
 pub use handle::{CallOptions, Transfer, TransferStatus};
+pub use link::{LinkCounters, BACKOFF_MAX, BACKOFF_MIN};
 pub use notify::{Notification, Notifications, MAX_NOTIFICATION};
 pub use registry::{FileRegistration, MemoryInfo, Registration, RegistrationCounters, Released};
 pub use requests::{PreparedLocal, PreparedRemote, TransferRequest};
@@ -62,6 +64,29 @@ pub(crate) struct Inner {
     notif_tx: mpsc::UnboundedSender<Notification>,
     notif_rx: Mutex<Option<Notifications>>,
     stopped: AtomicBool,
+    /// Connection set-ups, their backoff, and retired connections.
+    links: link::Links,
+    /// The longest a connection set-up may take ([`AgentConfig::connect_timeout`]).
+    connect_timeout: std::time::Duration,
+    /// A call's deadline when it sets none (the engine's `transfer_timeout`).
+    transfer_timeout: std::time::Duration,
+}
+
+/// Connections held by the engines and known to the agent ([`Agent::connection_census`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConnectionCensus {
+    /// Connections each rail's engine holds (rail 0 first), closing ones included.
+    pub engines: Vec<usize>,
+    /// Connections the agent's peers use or accepted (all rails).
+    pub known: usize,
+}
+
+impl ConnectionCensus {
+    /// Whether every connection an engine holds is one the agent knows.
+    pub fn balanced(&self) -> bool {
+        self.engines.iter().sum::<usize>() == self.known
+    }
 }
 
 /// This machine in metadata: the kernel's boot id (unique per boot) and the host name.
@@ -129,6 +154,9 @@ impl Agent {
                 notif_tx,
                 notif_rx: Mutex::new(Some(notif_rx)),
                 stopped: AtomicBool::new(false),
+                links: link::Links::default(),
+                connect_timeout: cfg.connect_timeout,
+                transfer_timeout: cfg.engine.transfer_timeout,
             }),
         })
     }
@@ -165,6 +193,25 @@ impl Agent {
             }
         }
         v
+    }
+
+    /// The connection lifecycle's counters: set-ups (shared by concurrent callers), failed
+    /// set-ups, connections retired after a failure, callers refused during a backoff.
+    pub fn link_counters(&self) -> LinkCounters {
+        self.inner.link_counters()
+    }
+
+    /// Connections each rail's engine holds (rail 0 first), next to the connections the agent
+    /// knows of: equal when nothing leaked.
+    pub async fn connection_census(&self) -> ConnectionCensus {
+        let mut engines = Vec::new();
+        for e in self.inner.rails.engines() {
+            engines.push(e.connections().await.unwrap_or(0));
+        }
+        ConnectionCensus {
+            engines,
+            known: self.inner.conn_count(),
+        }
     }
 
     /// Number of rails (NICs) this agent stripes over.

@@ -8,7 +8,7 @@ use futures_channel::mpsc;
 use crate::runtime::{ConnId, Message};
 
 use super::snapshot::lock;
-use super::{sidechannel, Agent, AgentError, Inner};
+use super::{link, Agent, AgentError, Inner};
 
 /// Largest notification (the engine's message size).
 pub const MAX_NOTIFICATION: usize = 4096;
@@ -36,19 +36,34 @@ impl Agent {
     /// # Errors
     /// [`AgentError::UnknownPeer`], [`AgentError::NotificationTooLarge`], or a transfer error.
     pub async fn notify(&self, peer: &str, msg: &[u8]) -> Result<(), AgentError> {
-        let conn = sidechannel::ensure_connection(&self.inner, peer).await?;
-        self.notify_on(conn, msg).await
-    }
-
-    pub(crate) async fn notify_on(&self, conn: ConnId, msg: &[u8]) -> Result<(), AgentError> {
         if msg.is_empty() || msg.len() > MAX_NOTIFICATION {
             return Err(AgentError::NotificationTooLarge(msg.len()));
         }
-        self.inner
+        let deadline = std::time::Instant::now() + self.inner.transfer_timeout;
+        let conn = link::ensure(&self.inner, peer, 0, Some(deadline)).await?;
+        self.notify_checked(peer, conn, msg).await
+    }
+
+    /// Sends `msg` on `conn` to `peer`; a connection that failed doing so is retired.
+    pub(crate) async fn notify_checked(
+        &self,
+        peer: &str,
+        conn: ConnId,
+        msg: &[u8],
+    ) -> Result<(), AgentError> {
+        if msg.is_empty() || msg.len() > MAX_NOTIFICATION {
+            return Err(AgentError::NotificationTooLarge(msg.len()));
+        }
+        let sent = self
+            .inner
             .rails
             .engine(0)
             .send(conn, msg.to_vec(), None)
-            .await?;
+            .await;
+        if let Err(e) = sent {
+            self.inner.retire_failed(peer, &[(0, conn)]).await;
+            return Err(e.into());
+        }
         Ok(())
     }
 

@@ -13,7 +13,7 @@ use crate::runtime::{ConnId, RemoteDesc, RemoteDescList};
 use super::config::RemoteRef;
 use super::estimate::RateModel;
 use super::metadata::{AgentMetadata, RegionInfo};
-use super::{sidechannel, Agent, AgentError, Inner};
+use super::{link, sidechannel, Agent, AgentError, Inner};
 
 /// One peer as the agent knows it (a snapshot entry: replaced, never changed in place).
 #[derive(Debug, Clone, Default)]
@@ -26,10 +26,84 @@ pub(crate) struct Peer {
     /// Its GPUs and VRAM exports (the same-node CUDA IPC path).
     pub gpus: PeerGpus,
     /// Connections by rail (rail 0 also carries notifications).
-    pub conns: Vec<Option<ConnId>>,
+    pub conns: Conns,
     /// Transfer-time models (READ, WRITE) fed by completed transfers; kept across metadata
     /// updates.
     pub rates: Arc<std::sync::Mutex<[RateModel; 2]>>,
+}
+
+/// A peer's connections by rail: those this agent set up (outbound) and those the peer set up
+/// to us (inbound). Transfers use the outbound one, else the inbound one. Kept apart so that
+/// two agents connecting to each other at once never replace (and flush) each other's
+/// connection.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Conns {
+    outbound: Vec<Option<ConnId>>,
+    inbound: Vec<Option<ConnId>>,
+}
+
+/// Which of a peer's connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Direction {
+    /// Set up by this agent.
+    Outbound,
+    /// Set up by the peer.
+    Inbound,
+}
+
+impl Conns {
+    fn side(&mut self, dir: Direction) -> &mut Vec<Option<ConnId>> {
+        match dir {
+            Direction::Outbound => &mut self.outbound,
+            Direction::Inbound => &mut self.inbound,
+        }
+    }
+
+    /// The connection transfers on `rail` use.
+    pub fn get(&self, rail: usize) -> Option<ConnId> {
+        let at = |v: &Vec<Option<ConnId>>| v.get(rail).copied().flatten();
+        at(&self.outbound).or_else(|| at(&self.inbound))
+    }
+
+    /// Records `conn` on `rail`; returns the one of that direction it replaces.
+    pub fn set(&mut self, dir: Direction, rail: usize, conn: ConnId) -> Option<ConnId> {
+        let v = self.side(dir);
+        if v.len() <= rail {
+            v.resize(rail + 1, None);
+        }
+        v[rail].replace(conn)
+    }
+
+    /// Removes `conn` from `rail` (either direction); whether it was there.
+    pub fn remove(&mut self, rail: usize, conn: ConnId) -> bool {
+        for dir in [Direction::Outbound, Direction::Inbound] {
+            if let Some(slot) = self.side(dir).get_mut(rail) {
+                if *slot == Some(conn) {
+                    *slot = None;
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
+    /// Every connection, with its rail, removed.
+    fn take(&mut self) -> Vec<(usize, ConnId)> {
+        let mut all = Vec::new();
+        for v in [&mut self.outbound, &mut self.inbound] {
+            all.extend(
+                v.drain(..)
+                    .enumerate()
+                    .filter_map(|(rail, c)| c.map(|c| (rail, c))),
+            );
+        }
+        all
+    }
+
+    /// How many there are.
+    pub fn len(&self) -> usize {
+        self.outbound.iter().chain(&self.inbound).flatten().count()
+    }
 }
 
 /// Peers by name.
@@ -87,26 +161,9 @@ impl Peer {
         self.metadata.as_ref().map(|m| m.generation)
     }
 
-    /// The connection on `rail`, if made.
+    /// The connection transfers on `rail` use, if made.
     pub fn conn(&self, rail: usize) -> Option<ConnId> {
-        self.conns.get(rail).copied().flatten()
-    }
-
-    /// Records the connection on `rail`; returns the one it replaces.
-    pub fn set_conn(&mut self, rail: usize, conn: ConnId) -> Option<ConnId> {
-        if self.conns.len() <= rail {
-            self.conns.resize(rail + 1, None);
-        }
-        self.conns[rail].replace(conn)
-    }
-
-    /// Every connection, with its rail, removed.
-    fn take_conns(&mut self) -> Vec<(usize, ConnId)> {
-        self.conns
-            .drain(..)
-            .enumerate()
-            .filter_map(|(rail, c)| c.map(|c| (rail, c)))
-            .collect()
+        self.conns.get(rail)
     }
 
     /// Maps region references to remote descriptors, checking ranges; with `keys`, collects the
@@ -198,29 +255,7 @@ impl Agent {
     /// # Errors
     /// [`AgentError::Metadata`] for a truncated, forged or incompatible blob.
     pub fn load_remote_metadata(&self, blob: &[u8]) -> Result<String, AgentError> {
-        let md = AgentMetadata::decode(blob)?;
-        let name = md.name.clone();
-        let stale = self.inner.peers.update(|peers| {
-            let old = peers.get(&name).cloned().unwrap_or_default();
-            let rejoined = old.generation().is_some_and(|g| g != md.generation);
-            let md = match (&old.metadata, md.partial) {
-                (Some(known), true) if !rejoined => merge(known, md),
-                _ => md,
-            };
-            let mut p = old.with_metadata(md);
-            let stale = if rejoined { p.take_conns() } else { Vec::new() };
-            peers.insert(name.clone(), Arc::new(p));
-            stale
-        });
-        if !stale.is_empty() {
-            self.inner.ipc.forget_peer(&name);
-        }
-        for (rail, c) in stale {
-            let e = self.inner.rails.engine(rail).clone();
-            futures_lite::future::block_on(e.close_connection(c));
-        }
-        tracing::debug!(agent = %self.inner.name, peer = %name, "loaded remote metadata");
-        Ok(name)
+        self.inner.load_metadata(blob)
     }
 
     /// Forgets a peer and closes its connection.
@@ -229,9 +264,10 @@ impl Agent {
             .inner
             .peers
             .update(|peers| peers.remove(peer))
-            .map(|p| Peer::clone(&p).take_conns())
+            .map(|p| Peer::clone(&p).conns.take())
             .unwrap_or_default();
         self.inner.ipc.forget_peer(peer);
+        self.inner.links.forget(peer);
         for (rail, c) in conns {
             self.inner.rails.engine(rail).close_connection(c).await;
         }
@@ -258,7 +294,8 @@ impl Agent {
     /// # Errors
     /// [`AgentError::SideChannel`] or [`AgentError::Metadata`].
     pub fn fetch_remote_metadata(&self, addr: &str) -> Result<String, AgentError> {
-        let blob = sidechannel::fetch_metadata(&self.inner.name, addr)?;
+        let deadline = std::time::Instant::now() + self.inner.connect_timeout;
+        let blob = sidechannel::fetch_metadata(&self.inner.name, addr, deadline)?;
         self.load_remote_metadata(&blob)
     }
 
@@ -338,8 +375,9 @@ impl Agent {
     pub async fn connect(&self, peer: &str) -> Result<(), AgentError> {
         let p = self.inner.peer(peer)?;
         let rails = self.inner.rails.len().min(self.inner.peer_rails(&p)).max(1);
+        let deadline = std::time::Instant::now() + self.inner.connect_timeout;
         for rail in 0..rails {
-            sidechannel::ensure_rail(&self.inner, peer, rail).await?;
+            link::ensure(&self.inner, peer, rail, Some(deadline)).await?;
         }
         Ok(())
     }
@@ -398,6 +436,38 @@ impl Inner {
         self.peers.load().contains_key(peer)
     }
 
+    /// Loads a peer's metadata blob (see [`Agent::load_remote_metadata`]).
+    ///
+    /// # Errors
+    /// As [`Agent::load_remote_metadata`].
+    pub(crate) fn load_metadata(&self, blob: &[u8]) -> Result<String, AgentError> {
+        let md = AgentMetadata::decode(blob)?;
+        let name = md.name.clone();
+        let (stale, rejoined) = self.peers.update(|peers| {
+            let old = peers.get(&name).cloned().unwrap_or_default();
+            let rejoined = old.generation().is_some_and(|g| g != md.generation);
+            let md = match (&old.metadata, md.partial) {
+                (Some(known), true) if !rejoined => merge(known, md),
+                _ => md,
+            };
+            let mut p = old.with_metadata(md);
+            let stale = if rejoined { p.conns.take() } else { Vec::new() };
+            peers.insert(name.clone(), Arc::new(p));
+            (stale, rejoined)
+        });
+        if rejoined {
+            self.ipc.forget_peer(&name);
+            // A new incarnation gets a fresh set-up: no backoff left from the old one.
+            self.links.forget(&name);
+        }
+        for (rail, c) in stale {
+            let e = self.rails.engine(rail).clone();
+            futures_lite::future::block_on(e.close_connection(c));
+        }
+        tracing::debug!(agent = %self.name, peer = %name, "loaded remote metadata");
+        Ok(name)
+    }
+
     /// Maps a peer's region references to remote descriptors, checking ranges; with `keys`,
     /// collects the region and key of every region they use (for prepared requests).
     pub(crate) fn resolve(
@@ -452,13 +522,39 @@ impl Inner {
             .map_or(1, |m| usize::from(m.rails.max(1)))
     }
 
-    /// Records `conn` as the connection to `peer` on `rail`; returns the one it replaces.
-    pub(crate) fn set_conn(&self, peer: &str, rail: usize, conn: ConnId) -> Option<ConnId> {
+    /// Records `conn` as the `dir` connection to `peer` on `rail`; returns the one it replaces.
+    pub(crate) fn set_conn(
+        &self,
+        peer: &str,
+        dir: Direction,
+        rail: usize,
+        conn: ConnId,
+    ) -> Option<ConnId> {
         self.peers.update(|peers| {
             let mut p = peers.get(peer).map(|p| Peer::clone(p)).unwrap_or_default();
-            let old = p.set_conn(rail, conn);
+            let old = p.conns.set(dir, rail, conn);
             peers.insert(peer.to_string(), Arc::new(p));
             old
         })
+    }
+
+    /// Removes `conn` from `peer`'s connections on `rail`; whether it was there.
+    pub(crate) fn remove_conn(&self, peer: &str, rail: usize, conn: ConnId) -> bool {
+        self.peers.update(|peers| {
+            let Some(p) = peers.get(peer) else {
+                return false;
+            };
+            let mut p = Peer::clone(p);
+            let removed = p.conns.remove(rail, conn);
+            if removed {
+                peers.insert(peer.to_string(), Arc::new(p));
+            }
+            removed
+        })
+    }
+
+    /// Connections to every peer (both directions, all rails): what the engines should hold.
+    pub(crate) fn conn_count(&self) -> usize {
+        self.peers.load().values().map(|p| p.conns.len()).sum()
     }
 }

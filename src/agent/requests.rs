@@ -4,10 +4,11 @@
 //! so, RDMA otherwise) and holds none of their logic.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use crate::nvlink::plan::IpcPlan;
 use crate::runtime::{
-    FileDesc, LocalDescList, Op, PreparedPart, RailPart, RailSlice, Region, RemoteDesc,
+    ConnId, FileDesc, LocalDescList, Op, PreparedPart, RailPart, RailSlice, Region, RemoteDesc,
     RemoteDescList, TransferStats,
 };
 use crate::transport::{
@@ -18,7 +19,7 @@ use super::config::RemoteRef;
 use super::handle::{CallOptions, Transfer};
 use super::peers::{Peer, RegionKey};
 use super::registry::{FileRegistration, RailMap, Registration};
-use super::{sidechannel, Agent, AgentError};
+use super::{link, Agent, AgentError};
 
 /// Local descriptors prepared once; requests select entries by index (NIXL's prep + make).
 #[derive(Debug, Clone, Default)]
@@ -286,9 +287,12 @@ impl Agent {
         opts: CallOptions,
     ) -> Result<TransferStats, AgentError> {
         let t0 = std::time::Instant::now();
+        let deadline = self.inner.deadline(&opts, t0);
         let p = self.inner.peer(peer)?;
         let (bytes, descriptors) = (local.total_len(), local.len());
-        let r = self.post_on(&p, peer, op, local, remote, &opts).await;
+        let r = self
+            .post_on(&p, peer, op, local, remote, &opts, deadline)
+            .await;
         if r.is_ok() {
             self.inner
                 .record_rate(&p, op, bytes, descriptors, t0.elapsed());
@@ -296,6 +300,7 @@ impl Agent {
         r
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn post_on(
         &self,
         p: &Peer,
@@ -304,6 +309,7 @@ impl Agent {
         local: LocalDescList,
         remote: RemoteDescList,
         opts: &CallOptions,
+        deadline: Instant,
     ) -> Result<TransferStats, AgentError> {
         let notification = opts.notification.as_deref();
         if let Route::CudaIpc(plan) = self.route(p, &local, &remote) {
@@ -319,19 +325,20 @@ impl Agent {
             };
             let st = transport.transfer(op, request).await?;
             if let Some(msg) = notification {
-                let conn = sidechannel::ensure_connection(&self.inner, peer).await?;
-                self.notify_on(conn, msg).await?;
+                let conn = link::ensure(&self.inner, peer, 0, Some(deadline)).await?;
+                self.notify_checked(peer, conn, msg).await?;
             }
             return Ok(st);
         }
-        let conn = sidechannel::ensure_connection(&self.inner, peer).await?;
+        let conn = link::ensure(&self.inner, peer, 0, Some(deadline)).await?;
         let descriptors = local.len();
         let rails = self
             .inner
             .rails
             .stripes(local.total_len(), self.inner.peer_rails(p));
         let parts = if rails > 1 {
-            self.rail_parts(peer, p, &local, &remote, rails).await?
+            self.rail_parts(peer, p, &local, &remote, rails, deadline)
+                .await?
         } else {
             vec![RailPart {
                 slice: RailSlice {
@@ -348,16 +355,22 @@ impl Agent {
         let transport = RdmaTransport {
             rails: &self.inner.rails,
         };
-        let engine_opts = opts.engine();
+        let used: Vec<(usize, ConnId)> = parts.iter().map(|p| (p.slice.rail, p.conn)).collect();
         let request = RdmaRequest {
             parts,
-            opts: engine_opts,
+            opts: opts.engine(deadline),
             descriptors,
         };
-        let mut st = transport.transfer(op, request).await?;
+        let mut st = match transport.transfer(op, request).await {
+            Ok(st) => st,
+            Err(e) => {
+                self.inner.retire_failed(peer, &used).await;
+                return Err(e);
+            }
+        };
         st.descriptors = descriptors;
         if let Some(msg) = notification {
-            self.notify_on(conn, msg).await?;
+            self.notify_checked(peer, conn, msg).await?;
         }
         Ok(st)
     }
@@ -371,6 +384,7 @@ impl Agent {
         local: &LocalDescList,
         remote: &RemoteDescList,
         rails: usize,
+        deadline: Instant,
     ) -> Result<Vec<RailPart>, AgentError> {
         let slices = {
             let regs = self.inner.regs.load();
@@ -382,7 +396,7 @@ impl Agent {
         };
         let mut parts = Vec::with_capacity(slices.len());
         for slice in slices {
-            let conn = sidechannel::ensure_rail(&self.inner, peer, slice.rail).await?;
+            let conn = link::ensure(&self.inner, peer, slice.rail, Some(deadline)).await?;
             parts.push(RailPart { slice, conn });
         }
         Ok(parts)
@@ -478,11 +492,12 @@ impl Agent {
                     .inner
                     .rails
                     .stripes(local.total_len(), self.inner.peer_rails(&p));
+                let deadline = Instant::now() + self.inner.connect_timeout;
                 let parts = if rails > 1 {
-                    self.rail_parts(peer, &p, local, &resolved.remote, rails)
+                    self.rail_parts(peer, &p, local, &resolved.remote, rails, deadline)
                         .await?
                 } else {
-                    let conn = sidechannel::ensure_connection(&self.inner, peer).await?;
+                    let conn = link::ensure(&self.inner, peer, 0, Some(deadline)).await?;
                     vec![RailPart {
                         slice: RailSlice {
                             rail: 0,
@@ -541,22 +556,25 @@ impl Agent {
             }
             RequestPath::Rdma(parts) => parts,
         };
-        let engine_opts = opts.engine();
-        let t0 = std::time::Instant::now();
-        let mut st = self
-            .inner
-            .rails
-            .post(&parts, engine_opts)
-            .await
-            .map_err(|f| AgentError::from_failure(f, parts.len(), req.descriptors))?;
+        let t0 = Instant::now();
+        let deadline = self.inner.deadline(&opts, t0);
+        let mut st = match self.inner.rails.post(&parts, opts.engine(deadline)).await {
+            Ok(st) => st,
+            Err(f) => {
+                let used: Vec<(usize, ConnId)> =
+                    parts.iter().map(|p| (p.rail, p.prepared.conn())).collect();
+                self.inner.retire_failed(&req.peer, &used).await;
+                return Err(AgentError::from_failure(f, parts.len(), req.descriptors));
+            }
+        };
         st.descriptors = req.descriptors;
         if let Ok(p) = self.inner.peer(&req.peer) {
             self.inner
                 .record_rate(&p, req.op, req.bytes, req.descriptors, t0.elapsed());
         }
         if let Some(msg) = opts.notification.as_deref() {
-            let conn = sidechannel::ensure_connection(&self.inner, &req.peer).await?;
-            self.notify_on(conn, msg).await?;
+            let conn = link::ensure(&self.inner, &req.peer, 0, Some(deadline)).await?;
+            self.notify_checked(&req.peer, conn, msg).await?;
         }
         Ok(st)
     }

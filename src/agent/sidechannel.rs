@@ -3,16 +3,16 @@
 //! our endpoint hex (or `ERR <reason>`); without a rail, rail 0.
 
 use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures_lite::future::block_on;
 
+use super::peers::Direction;
 use super::snapshot::lock;
 use super::{AgentError, Inner};
-use crate::runtime::ConnId;
 use crate::verbs::Endpoint;
 
 const MAX_LINE: usize = 256 << 20;
@@ -38,13 +38,44 @@ fn read_line<R: BufRead>(r: &mut R) -> Result<String, AgentError> {
     Ok(l.trim_end().to_string())
 }
 
-fn connect(addr: &str) -> Result<TcpStream, AgentError> {
-    let s = TcpStream::connect(addr)
-        .map_err(|e| AgentError::SideChannel(format!("connect {addr}: {e}")))?;
-    s.set_read_timeout(Some(Duration::from_secs(30)))
-        .map_err(sc)?;
+/// A side-channel client stream to `addr`, every step bounded by `deadline`.
+fn connect(addr: &str, deadline: Instant) -> Result<TcpStream, AgentError> {
+    let io = |source: std::io::Error| AgentError::SideChannelIo {
+        addr: addr.to_string(),
+        source,
+    };
+    let left = || -> Result<Duration, AgentError> {
+        match deadline.checked_duration_since(Instant::now()) {
+            Some(d) if !d.is_zero() => Ok(d),
+            _ => Err(io(std::io::ErrorKind::TimedOut.into())),
+        }
+    };
+    let target = addr
+        .to_socket_addrs()
+        .map_err(io)?
+        .next()
+        .ok_or_else(|| io(std::io::ErrorKind::AddrNotAvailable.into()))?;
+    let s = TcpStream::connect_timeout(&target, left()?).map_err(io)?;
+    s.set_read_timeout(Some(left()?)).map_err(io)?;
+    s.set_write_timeout(Some(left()?)).map_err(io)?;
     s.set_nodelay(true).ok();
     Ok(s)
+}
+
+/// Sends one request line to `addr` and reads the reply line, by `deadline`.
+fn exchange(addr: &str, request: &str, deadline: Instant) -> Result<String, AgentError> {
+    let s = connect(addr, deadline)?;
+    let io = |source: std::io::Error| AgentError::SideChannelIo {
+        addr: addr.to_string(),
+        source,
+    };
+    let mut w = s.try_clone().map_err(io)?;
+    writeln!(w, "{request}").map_err(io)?;
+    let line = read_line(&mut BufReader::new(s))?;
+    match line.strip_prefix("ERR ") {
+        Some(e) => Err(AgentError::SideChannel(e.to_string())),
+        None => Ok(line),
+    }
 }
 
 pub(super) fn listen(inner: &Arc<Inner>, addr: &str) -> Result<SocketAddr, AgentError> {
@@ -114,7 +145,9 @@ fn accept_connection(
     let theirs = Endpoint::from_bytes(&decode_hex(ep)?).map_err(sc)?;
     let (conn, mine) = block_on(engine.prepare_connection())?;
     block_on(engine.complete_connection(conn, theirs))?;
-    if let Some(old) = inner.set_conn(requester, rail, conn) {
+    // The requester connects only when it has no connection on this rail: one it made to us
+    // before is gone on its side.
+    if let Some(old) = inner.set_conn(requester, Direction::Inbound, rail, conn) {
         block_on(engine.close_connection(old));
     }
     if rail == 0 {
@@ -123,73 +156,24 @@ fn accept_connection(
     Ok(mine)
 }
 
-pub(super) fn fetch_metadata(me: &str, addr: &str) -> Result<Vec<u8>, AgentError> {
-    let s = connect(addr)?;
-    let mut w = s.try_clone().map_err(sc)?;
-    writeln!(w, "MD {me}").map_err(sc)?;
-    let line = read_line(&mut BufReader::new(s))?;
-    if let Some(e) = line.strip_prefix("ERR ") {
-        return Err(AgentError::SideChannel(e.to_string()));
-    }
-    decode_hex(&line)
+/// The metadata `addr`'s agent grants `me`, fetched by `deadline`.
+pub(super) fn fetch_metadata(
+    me: &str,
+    addr: &str,
+    deadline: Instant,
+) -> Result<Vec<u8>, AgentError> {
+    decode_hex(&exchange(addr, &format!("MD {me}"), deadline)?)
 }
 
-/// The connection to `peer` on rail 0 (see [`ensure_rail`]).
-pub(super) async fn ensure_connection(
-    inner: &Arc<Inner>,
-    peer: &str,
-) -> Result<ConnId, AgentError> {
-    ensure_rail(inner, peer, 0).await
-}
-
-/// The connection to `peer` on `rail`, made on first use through its side channel (the engine
-/// calls are awaited; only the short side-channel exchange is blocking I/O). Rail 0 also
-/// delivers the peer's notifications.
-pub(super) async fn ensure_rail(
-    inner: &Arc<Inner>,
-    peer: &str,
+/// Asks `addr`'s agent for a connection on `rail` to our endpoint `mine`; returns its endpoint.
+pub(super) fn request_connection(
+    me: &str,
+    addr: &str,
     rail: usize,
-) -> Result<ConnId, AgentError> {
-    let addr = {
-        let peers = inner.peers.load();
-        let p = peers
-            .get(peer)
-            .ok_or_else(|| AgentError::UnknownPeer(peer.to_string()))?;
-        if let Some(c) = p.conn(rail) {
-            return Ok(c);
-        }
-        p.metadata
-            .as_ref()
-            .map(|m| m.address.clone())
-            .filter(|a| !a.is_empty())
-            .ok_or_else(|| {
-                AgentError::SideChannel(format!("peer {peer} has no side-channel address"))
-            })?
-    };
-    let engine = inner.rails.engine(rail).clone();
-    let (conn, mine) = engine.prepare_connection().await?;
-    let s = connect(&addr)?;
-    let mut w = s.try_clone().map_err(sc)?;
-    writeln!(
-        w,
-        "CONNECT {} {} {rail}",
-        inner.name,
-        hex::encode(mine.to_bytes())
-    )
-    .map_err(sc)?;
-    let line = read_line(&mut BufReader::new(s))?;
-    if let Some(e) = line.strip_prefix("ERR ") {
-        engine.close_connection(conn).await;
-        return Err(AgentError::SideChannel(format!(
-            "{peer} refused the connection (rail {rail}): {e}"
-        )));
-    }
-    let theirs = Endpoint::from_bytes(&decode_hex(&line)?).map_err(sc)?;
-    engine.complete_connection(conn, theirs).await?;
-    inner.set_conn(peer, rail, conn);
-    if rail == 0 {
-        inner.spawn_receiver(peer.to_string(), conn);
-    }
-    tracing::debug!(agent = %inner.name, %peer, rail, "connected lazily");
-    Ok(conn)
+    mine: &Endpoint,
+    deadline: Instant,
+) -> Result<Endpoint, AgentError> {
+    let request = format!("CONNECT {me} {} {rail}", hex::encode(mine.to_bytes()));
+    let line = exchange(addr, &request, deadline)?;
+    Endpoint::from_bytes(&decode_hex(&line)?).map_err(sc)
 }

@@ -359,6 +359,19 @@ impl Engine {
         Ok(())
     }
 
+    /// Connections this engine holds (prepared, ready, failed or closing).
+    pub fn connections(&self) -> usize {
+        self.inner.core.borrow().connections()
+    }
+
+    /// Whether `conn` exists and is ready for transfers (not failed, not closing).
+    pub fn connection_usable(&self, conn: ConnId) -> bool {
+        matches!(
+            self.inner.core.borrow().state(conn),
+            Some(rixl_proto::ConnState::Ready)
+        )
+    }
+
     /// Fails a connection: its QP moves to ERROR, every outstanding transfer on it ends with
     /// [`TransferError::Flushed`] (or its own earlier error) once the NIC has flushed its work.
     pub fn abort_connection(&self, conn: ConnId, reason: &str) {
