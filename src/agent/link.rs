@@ -222,8 +222,10 @@ fn spawn_setup(inner: &Arc<Inner>, key: LinkKey, refetch: bool) {
     let spawned = std::thread::Builder::new()
         .name(format!("rixl-connect-{}", key.rail))
         .spawn(move || {
-            let deadline = Instant::now() + inner.connect_timeout;
+            let t0 = Instant::now();
+            let deadline = t0 + inner.connect_timeout;
             let r = futures_lite::future::block_on(setup(&inner, &key, refetch, deadline));
+            tracing::debug!(peer = %key.peer, rail = key.rail, refetch, ok = r.is_ok(), took = ?t0.elapsed(), "set-up ended");
             finish(&inner, &key, r);
         });
     if let Err(e) = spawned {

@@ -166,6 +166,33 @@ impl Peer {
         self.conns.get(rail)
     }
 
+    /// Moves descriptors resolved against `old` (an earlier incarnation's metadata) to this
+    /// metadata: the same region ids and offsets, this metadata's addresses and keys.
+    ///
+    /// # Errors
+    /// [`AgentError::StaleMetadata`] for a key `old` does not know, then as [`Self::resolve`].
+    pub fn translate(
+        &self,
+        old: &Peer,
+        remote: &RemoteDescList,
+        name: &str,
+    ) -> Result<RemoteDescList, AgentError> {
+        let refs = remote
+            .0
+            .iter()
+            .map(|d| {
+                let stale = || AgentError::StaleMetadata(name.to_string());
+                let info = old.by_rkey.get(&d.rkey).ok_or_else(stale)?;
+                Ok(RemoteRef {
+                    region: info.id,
+                    offset: d.addr.checked_sub(info.addr).ok_or_else(stale)?,
+                    len: d.len,
+                })
+            })
+            .collect::<Result<Vec<_>, AgentError>>()?;
+        self.resolve(name, &refs, None)
+    }
+
     /// Maps region references to remote descriptors, checking ranges; with `keys`, collects the
     /// region and key of every region they use.
     fn resolve(

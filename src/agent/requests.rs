@@ -331,6 +331,15 @@ impl Agent {
             return Ok(st);
         }
         let conn = link::ensure(&self.inner, peer, 0, Some(deadline)).await?;
+        // The set-up may have loaded the peer's new metadata (it restarted): the descriptors
+        // move to its new keys.
+        let now = self.inner.peer(peer)?;
+        let (p, remote) = if now.generation() == p.generation() {
+            (p, remote)
+        } else {
+            let moved = now.translate(p, &remote, peer)?;
+            (&*now, moved)
+        };
         let descriptors = local.len();
         let rails = self
             .inner

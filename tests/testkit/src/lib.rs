@@ -35,6 +35,17 @@ pub fn require_or_skip<T, E: Display>(
     }
 }
 
+/// Sends the library's `tracing` events to stderr when `RUST_LOG` is set (for example
+/// `RUST_LOG=rixl=debug scripts/rdma-suite --nocapture heal_`); once per process.
+pub fn init_logs() {
+    if std::env::var_os("RUST_LOG").is_some() {
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .try_init();
+    }
+}
+
 /// Prints a measurement line past libtest's output capture.
 pub fn report(line: &str) {
     let _ = writeln!(std::io::stderr(), "{line}");
