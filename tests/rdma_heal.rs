@@ -10,9 +10,7 @@ use std::time::{Duration, Instant};
 use futures_lite::future::block_on;
 use rixl::agent::{Agent, AgentConfig, AgentError, CallOptions, RemoteRef, Visibility};
 use rixl::runtime::{LocalDescList, TransferError};
-use rixl_testkit::{
-    fill, init_logs, pattern, peer_control, report, require_or_skip, spawn_peer,
-};
+use rixl_testkit::{fill, init_logs, pattern, peer_control, report, require_or_skip, spawn_peer};
 
 /// Fast failure detection: 4.096 µs × 2^12 ≈ 17 ms per transport retry, 3 retries.
 fn fast_failing(cpu: usize) -> AgentConfig {
@@ -416,7 +414,9 @@ fn typed_then_pause(e: &AgentError) {
     assert!(
         matches!(
             e,
-            AgentError::ConnectFailed { .. } | AgentError::Unreachable { .. }
+            AgentError::ConnectFailed { .. }
+                | AgentError::Unreachable { .. }
+                | AgentError::ConnectTimeout { .. }
         ),
         "{e:?}"
     );
@@ -446,5 +446,157 @@ fn owner_process() {
     ctl.send_str(&reg.id().to_string());
     let cmd = ctl.recv_str();
     assert_eq!(cmd, "quit", "owner: unknown command");
+    owner.shutdown();
+}
+
+/// Sets a link down and brings it back up when dropped (even if the test fails).
+struct LinkDown(&'static str);
+
+impl LinkDown {
+    fn new(dev: &'static str) -> LinkDown {
+        ip_link(dev, "down");
+        LinkDown(dev)
+    }
+}
+
+impl Drop for LinkDown {
+    fn drop(&mut self) {
+        ip_link(self.0, "up");
+    }
+}
+
+fn ip_link(dev: &str, state: &str) {
+    let st = std::process::Command::new("ip")
+        .args(["link", "set", dev, state])
+        .status()
+        .expect("run ip");
+    assert!(st.success(), "ip link set {dev} {state}");
+}
+
+#[test]
+fn async_event_port_down_fails_transfers_at_once_and_connections_heal_when_it_is_back() {
+    // rxe1 on the dummy link d1 (the single-guest topology): taking d1 down leaves rxe0, which
+    // the other tests use, alone.
+    if !std::env::var("RIXL_GUEST_RAILS").is_ok_and(|r| r.split(',').any(|d| d == "rxe1")) {
+        eprintln!("SKIPPED async_event_port_down: needs rxe1 on the dummy link d1 (the rxe guest, scripts/rdma-suite)");
+        return;
+    }
+    // Slow transport retries (≈1 s each, 7 of them) and a long deadline: without the port-down
+    // event a transfer on a dead link would take ~8 s to fail.
+    let slow = |cpu: usize| {
+        let mut cfg = AgentConfig::default();
+        cfg.cpu = cpu % rixl::runtime::available_cpus().len();
+        cfg.engine.device = Some("rxe1".into());
+        cfg.rails = Vec::new();
+        cfg.engine.connect.timeout = 18;
+        cfg.engine.connect.retry_cnt = 7;
+        cfg.engine.transfer_timeout = Duration::from_secs(20);
+        cfg
+    };
+    init_logs();
+    let owner = Agent::new("port-owner", slow(0)).expect("owner on rxe1");
+    let user = Agent::new("port-user", slow(1)).expect("user on rxe1");
+    owner.listen("127.0.0.1:0").expect("listen");
+    const LEN: usize = 8 << 20;
+    let src = block_on(owner.register(LEN, Visibility::All)).expect("src");
+    src.region().write_at(0, &patterned(LEN, 41)).unwrap();
+    let peer = user
+        .load_remote_metadata(&owner.local_metadata("port-user").unwrap())
+        .unwrap();
+    let dst = block_on(user.register(LEN, Visibility::All)).expect("dst");
+    let whole = || {
+        let mut l = LocalDescList::new();
+        l.push(dst.region(), 0, LEN as u64);
+        (
+            l,
+            [RemoteRef {
+                region: src.id(),
+                offset: 0,
+                len: LEN as u64,
+            }],
+        )
+    };
+    let (l, r) = whole();
+    block_on(user.read(&peer, &l, &r)).expect("read while the link is up");
+    // Reads back to back; the link goes down under one of them.
+    let (err, took, down_at) = std::thread::scope(|s| {
+        let t = s.spawn(|| loop {
+            let (l, r) = whole();
+            let t0 = Instant::now();
+            if let Err(e) = block_on(user.read(&peer, &l, &r)) {
+                return (e, t0.elapsed(), Instant::now());
+            }
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        let down = LinkDown::new("d1");
+        let downed = Instant::now();
+        let (e, took, failed_at) = t.join().unwrap();
+        (e, took, (down, failed_at.duration_since(downed)))
+    });
+    let (down, after_down) = down_at;
+    assert!(
+        matches!(
+            err.transfer_error(),
+            Some(TransferError::Device(
+                rixl::runtime::DeviceFault::PortDown { .. }
+            ))
+        ),
+        "the port-down event ends the transfer: {err:?}"
+    );
+    assert!(
+        after_down < Duration::from_secs(2),
+        "failed {after_down:?} after the link went down (the deadline is 20 s)"
+    );
+    // While it is down: typed, at once.
+    let mut kinds = std::collections::BTreeMap::new();
+    for _ in 0..5 {
+        let (l, r) = whole();
+        let t = Instant::now();
+        let e = block_on(user.read(&peer, &l, &r)).expect_err("the port is down");
+        assert!(
+            t.elapsed() < Duration::from_secs(3),
+            "{e} after {:?}",
+            t.elapsed()
+        );
+        let kind = match &e {
+            AgentError::ConnectFailed { .. } => "connect failed",
+            AgentError::Unreachable { .. } => "unreachable (backoff)",
+            other => panic!("untyped outcome while the port is down: {other:?}"),
+        };
+        *kinds.entry(kind).or_insert(0u32) += 1;
+    }
+    let down_counters = block_on(user.rail_counters())[0];
+    drop(down);
+    // Back up: the next transfers heal, without any call from the application.
+    let up = Instant::now();
+    dst.region().write_at(0, &vec![0u8; LEN]).unwrap();
+    let healed_after = loop {
+        let (l, r) = whole();
+        match block_on(user.read(&peer, &l, &r)) {
+            Ok(_) => break up.elapsed(),
+            Err(e) if up.elapsed() < Duration::from_secs(15) => {
+                typed_then_pause(&e);
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => panic!(
+                "not healed {:?} after the link came back: {e}",
+                up.elapsed()
+            ),
+        }
+    };
+    assert_eq!(contents(&dst), patterned(LEN, 41), "healed read");
+    let census = block_on(user.connection_census());
+    assert!(census.balanced(), "{census:?}");
+    assert!(
+        down_counters.async_events >= 1 && down_counters.event_failures >= 1,
+        "{down_counters:?}"
+    );
+    report(&format!(
+        "port down: transfer failed {after_down:?} after the link went down ({took:?} into it): {err}; while down: {kinds:?}; healed {healed_after:?} after it came back; events {} (failures {}); {:?}; {census:?}",
+        down_counters.async_events,
+        down_counters.event_failures,
+        user.link_counters()
+    ));
+    user.shutdown();
     owner.shutdown();
 }

@@ -175,6 +175,14 @@ impl<Q: SendQueue> Core<Q> {
         ConnId(id)
     }
 
+    /// The connection whose queue pair is number `qpn`.
+    pub fn conn_of_qpn(&self, qpn: u32) -> Option<ConnId> {
+        self.routes
+            .iter()
+            .find(|r| r.qpn == qpn)
+            .map(|r| ConnId(r.conn))
+    }
+
     /// Its queue.
     pub fn queue(&self, conn: ConnId) -> Option<&Q> {
         self.conns.get(conn.0 as usize).map(|c| &c.queue)

@@ -127,6 +127,37 @@ pub enum TransferError {
     /// This core has no RDMA device (it serves host memory and files only).
     #[error("no RDMA device on this engine's core")]
     NoNic,
+    /// The device reported a fault that no completion carries (an async event): the
+    /// connection was failed at once rather than at its deadline.
+    #[error("device fault: {0}")]
+    Device(DeviceFault),
+}
+
+/// A fault the device reported through an async event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DeviceFault {
+    /// The port the connection uses went down.
+    #[error("port {port} went down")]
+    PortDown {
+        /// The port.
+        port: u8,
+    },
+    /// The connection's queue pair hit a fatal error.
+    #[error("queue pair fatal error")]
+    QueuePairFatal,
+    /// The connection's queue pair received a request it could not process.
+    #[error("queue pair request error")]
+    QueuePairRequestError,
+    /// The connection's queue pair was denied access.
+    #[error("queue pair access error")]
+    QueuePairAccessError,
+    /// The engine's completion queue failed.
+    #[error("completion queue error")]
+    CompletionQueueError,
+    /// The device failed.
+    #[error("device fatal error")]
+    DeviceFatal,
 }
 
 impl TransferError {

@@ -27,7 +27,7 @@ pub use crate::conn::{ConnParams, ConnState, COALESCE_MAX_WRS, COALESCE_SIGNAL_I
 pub use crate::core::{recv_wr_id, Activity, Core, CoreConfig, RECV_BIT};
 pub use crate::deadline::{Deadline, Deadlines};
 pub use crate::desc::{LocalDesc, Op, RegionInfo, RemoteDesc, RemoteDescList};
-pub use crate::error::{FileError, FileId, InvalidDescriptor, TransferError};
+pub use crate::error::{DeviceFault, FileError, FileId, InvalidDescriptor, TransferError};
 pub use crate::inflight::SlotId;
 pub use crate::plan::{Limits, Plan, PlannedWr};
 pub use crate::posting::Posting;

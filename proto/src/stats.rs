@@ -175,6 +175,10 @@ pub struct EngineCounters {
     /// Small transfers queued for a coalesced post (with coalescing on; the others were posted
     /// at once).
     pub queued: u64,
+    /// Device async events handled (port changes, queue pair and device faults).
+    pub async_events: u64,
+    /// Connections failed by an async event.
+    pub event_failures: u64,
 }
 
 /// A message received on a connection.

@@ -1,6 +1,6 @@
 //! Errors of the runtime.
 
-pub use rixl_proto::error::{FileError, InvalidDescriptor, TransferError};
+pub use rixl_proto::error::{DeviceFault, FileError, InvalidDescriptor, TransferError};
 
 /// Why an engine could not start or a control operation failed.
 #[derive(Debug, thiserror::Error)]
@@ -26,6 +26,13 @@ pub enum RuntimeError {
     /// The connection id is unknown.
     #[error("unknown connection {0}")]
     UnknownConnection(u32),
+    /// The engine's port is down (a port-down async event): no connection can be made until
+    /// the port is active again.
+    #[error("port {port} of the device is down")]
+    PortDown {
+        /// The port.
+        port: u8,
+    },
     /// A limit of the engine's configuration was reached.
     #[error("{0}")]
     Limit(String),

@@ -23,7 +23,7 @@ pub use engine::{
     ConnId, DescriptorRanges, Engine, EngineConfig, EngineCounters, Message, PollMode,
     PreparedTransfer, Progress, TransferFailure, TransferOptions, TransferStats,
 };
-pub use error::{InvalidDescriptor, RuntimeError, TransferError};
+pub use error::{DeviceFault, InvalidDescriptor, RuntimeError, TransferError};
 pub use file::{
     FileConfig, FileCounters, FileDesc, FileError, FileId, FileInfo, FileMode, FileSpec, FileStore,
 };

@@ -68,6 +68,9 @@ pub enum Error {
     /// `ibv_get_cq_event` failed (with the OS error).
     #[error("ibv_get_cq_event failed: {0}")]
     GetCqEvent(#[source] io::Error),
+    /// `ibv_get_async_event` failed (with the OS error).
+    #[error("ibv_get_async_event failed: {0}")]
+    GetAsyncEvent(#[source] io::Error),
     /// `ibv_create_qp` failed (with the OS error).
     #[error("ibv_create_qp failed: {0}")]
     CreateQp(#[source] io::Error),

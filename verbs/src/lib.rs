@@ -13,6 +13,7 @@ mod context;
 mod cq;
 mod device;
 mod error;
+mod event;
 mod host;
 mod mr;
 mod pd;
@@ -30,6 +31,7 @@ pub use context::{Context, DeviceAttributes, Gid, LinkLayer, Mtu, PortAttributes
 pub use cq::CompletionQueue;
 pub use device::{Device, DeviceList};
 pub use error::{Error, Result};
+pub use event::AsyncEvent;
 pub use host::{HostBuffer, BUFFER_ALIGN};
 /// The memory-map crate whose [`memmap2::MmapMut`] [`HostBuffer::from_mmap`] takes.
 pub use memmap2;

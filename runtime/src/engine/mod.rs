@@ -4,6 +4,7 @@
 //! lives on one glommio executor. Use [`crate::EngineHandle`] to submit from other threads.
 
 mod config;
+mod events;
 mod nic;
 mod progress;
 mod transfer;
@@ -58,6 +59,11 @@ pub(crate) struct Inner {
     msg_region: Region,
     msg_free: Rc<RefCell<Vec<u32>>>,
     msg_waiters: RefCell<Vec<Waker>>,
+    /// Whether the engine's port is up (a port-down async event clears it, port-active sets
+    /// it): connections are refused while it is down.
+    port_up: Cell<bool>,
+    /// Tells the async event reader thread to stop (engine shutdown).
+    events_stop: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// A per-core transfer engine. Cheap to clone (all clones are the same engine); `!Send`.
@@ -148,8 +154,11 @@ impl Engine {
             quiet_polls: Cell::new(0),
             progress_waker: RefCell::new(None),
             shutdown: Cell::new(false),
+            port_up: Cell::new(true),
+            events_stop: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         });
         glommio::spawn_local(progress::run(Rc::clone(&inner))).detach();
+        events::start(&inner, inner.pd.context(), Arc::clone(&inner.events_stop));
         tracing::info!(engine = id, device = ?inner.cfg.device, "engine started");
         Ok(Engine { inner })
     }
@@ -269,6 +278,11 @@ impl Engine {
     /// [`RuntimeError::Limit`] past `max_connections`; [`RuntimeError::Verbs`] on verb failures.
     pub async fn prepare_connection(&self) -> Result<(ConnId, Endpoint), RuntimeError> {
         let cfg = self.inner.cfg.clone();
+        if !self.inner.port_up.get() {
+            return Err(RuntimeError::PortDown {
+                port: cfg.connect.port,
+            });
+        }
         if self.inner.core.borrow().connections() >= cfg.max_connections as usize {
             return Err(RuntimeError::Limit(format!(
                 "engine has {} connections (max_connections)",
@@ -372,6 +386,12 @@ impl Engine {
         )
     }
 
+    /// Applies a device async event as if the device had reported it (for tests of the fault
+    /// paths: a queue pair fault cannot be provoked on demand).
+    pub fn inject_async_event(&self, ev: rixl_verbs::AsyncEvent) {
+        events::handle(&self.inner, ev);
+    }
+
     /// Fails a connection: its QP moves to ERROR, every outstanding transfer on it ends with
     /// [`TransferError::Flushed`] (or its own earlier error) once the NIC has flushed its work.
     pub fn abort_connection(&self, conn: ConnId, reason: &str) {
@@ -427,6 +447,9 @@ impl Engine {
             self.close_connection(c).await;
         }
         self.inner.shutdown.set(true);
+        self.inner
+            .events_stop
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         self.inner.kick_progress();
     }
 }
