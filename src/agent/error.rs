@@ -117,6 +117,18 @@ pub enum AgentError {
         #[source]
         source: std::sync::Arc<AgentError>,
     },
+    /// etcd refused or failed a request of the first join.
+    #[error("etcd: {0}")]
+    Etcd(#[source] etcd_client::Error),
+    /// The first join did not finish in time (etcd unreachable).
+    #[error("joining etcd took longer than {0:?}")]
+    EtcdTimeout(std::time::Duration),
+    /// No etcd endpoint was given.
+    #[error("no etcd endpoint given (host:port, comma-separated)")]
+    InvalidEtcdEndpoints,
+    /// A control thread (or its runtime) could not be started.
+    #[error("cannot start a control thread: {0}")]
+    ControlThread(#[source] std::io::Error),
     /// The agent was shut down.
     #[error("the agent was shut down")]
     Stopped,

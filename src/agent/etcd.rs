@@ -1,321 +1,464 @@
-//! A central metadata store on a real etcd server (v3 JSON gateway over HTTP/1.1, no gRPC stack).
-//! Agents publish their metadata under `<namespace>/<name>` with a short lease that they keep
-//! renewing, so an agent that dies disappears; watchers load new or changed metadata and forget
-//! agents whose key was deleted. Everything runs on its own threads, off the data-path cores.
+//! Membership through etcd, with the `etcd-client` gRPC client on a control thread of its own
+//! (a current-thread tokio runtime: never on an engine core, never on the caller's executor).
 //!
-//! Only regions visible to all agents are published: scoped regions are served per requester by
-//! the side channel only.
+//! An agent that joins:
+//! - grants a lease of `ttl` and keeps it alive (keep-alive every ttl/3); its key
+//!   `<namespace>/<name>` holds its metadata (regions visible to all) on that lease, PUT again
+//!   only when the metadata changes (a registration made or released);
+//! - lists the namespace once (loading every peer), then watches it from the list's revision + 1:
+//!   a PUT loads that peer's metadata (new or changed), a DELETE is a departure;
+//! - after a compaction or a cancelled watch, lists again and reconciles;
+//! - on shutdown revokes its lease (its key goes with it).
+//!
+//! **Outage policy.** etcd is the membership service, not the data path. While etcd is away
+//! nothing is invalidated and no connection is touched; the control thread retries with backoff,
+//! and when etcd is back it grants a new lease, PUTs again, lists and reconciles. A DELETE (or a
+//! peer missing from a list) does not tear a peer down on its own either: the key may have
+//! lapsed because the *peer* lost etcd. The departed peer's side channel is asked for its
+//! metadata (one second at most): if it answers with the generation already loaded it is kept,
+//! otherwise it is invalidated (its connections closed; transfers to it end typed).
 
-use std::io::{BufRead, BufReader, Write};
-use std::net::TcpStream;
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
-use std::time::Duration;
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc as std_mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use base64::Engine as _;
-use serde_json::{json, Value};
+use etcd_client::{Client, ConnectOptions, EventType, GetOptions, PutOptions, WatchOptions};
+use futures_lite::StreamExt;
 
-use super::{AgentError, Inner};
+use super::snapshot::lock;
+use super::{sidechannel, Agent, AgentError, Inner};
 
-/// Base64 (standard alphabet, padded), as etcd's JSON gateway carries keys and values.
-pub fn b64(data: &[u8]) -> String {
-    base64::engine::general_purpose::STANDARD.encode(data)
+/// How long the first join may take.
+const JOIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest wait between two reconnection attempts while etcd is away.
+const RETRY_MAX: Duration = Duration::from_secs(2);
+/// How long a departed peer's side channel gets to prove it is alive.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// What the membership thread has seen (for tests and operators).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct MembershipCounters {
+    /// Sessions with etcd (the first join, then one per reconnection).
+    pub sessions: u64,
+    /// Sessions that ended because etcd was unreachable or failed.
+    pub outages: u64,
+    /// Metadata PUTs (the first of each session, then one per change).
+    pub puts: u64,
+    /// Peers' metadata loaded from PUT events or lists.
+    pub loads: u64,
+    /// Departures (DELETEs, or peers missing from a list) whose peer was invalidated.
+    pub departures: u64,
+    /// Departures whose peer still answered on its side channel, and was kept.
+    pub kept: u64,
+    /// Lists after a compaction or a cancelled watch.
+    pub relists: u64,
 }
 
-/// Base64 decoding.
-///
-/// # Errors
-/// [`base64::DecodeError`] for invalid input.
-pub fn unb64(s: &str) -> Result<Vec<u8>, base64::DecodeError> {
-    base64::engine::general_purpose::STANDARD.decode(s)
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    sessions: AtomicU64,
+    outages: AtomicU64,
+    puts: AtomicU64,
+    loads: AtomicU64,
+    departures: AtomicU64,
+    kept: AtomicU64,
+    relists: AtomicU64,
 }
 
-fn err(e: impl std::fmt::Display) -> AgentError {
-    AgentError::SideChannel(format!("etcd: {e}"))
-}
-
-/// A POST to the gateway; returns the JSON body (the first JSON value for streaming endpoints).
-fn post(endpoint: &str, path: &str, body: &Value) -> Result<Value, AgentError> {
-    let mut s = TcpStream::connect(endpoint).map_err(err)?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))
-        .map_err(err)?;
-    let body = body.to_string();
-    write!(
-        s,
-        "POST {path} HTTP/1.1\r\nHost: {endpoint}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .map_err(err)?;
-    let mut r = BufReader::new(s);
-    let chunked = read_headers(&mut r)?;
-    let mut stream = BodyStream {
-        r,
-        chunked,
-        buf: Vec::new(),
-    };
-    stream.next_value()?.ok_or_else(|| err("empty response"))
-}
-
-/// Reads the status line and headers; returns whether the body is chunked.
-fn read_headers<R: BufRead>(r: &mut R) -> Result<bool, AgentError> {
-    let mut line = String::new();
-    r.read_line(&mut line).map_err(err)?;
-    if !line.starts_with("HTTP/1.1 200") {
-        return Err(err(format!("gateway answered {}", line.trim())));
-    }
-    let mut chunked = false;
-    loop {
-        line.clear();
-        r.read_line(&mut line).map_err(err)?;
-        let l = line.trim();
-        if l.is_empty() {
-            return Ok(chunked);
-        }
-        if l.to_ascii_lowercase().starts_with("transfer-encoding:")
-            && l.to_ascii_lowercase().contains("chunked")
-        {
-            chunked = true;
-        }
-    }
-}
-
-/// Yields the JSON values of a (possibly chunked, possibly streaming) body.
-struct BodyStream<R: BufRead> {
-    r: R,
-    chunked: bool,
-    buf: Vec<u8>,
-}
-
-impl<R: BufRead> BodyStream<R> {
-    fn fill(&mut self) -> Result<bool, AgentError> {
-        if self.chunked {
-            let mut size = String::new();
-            if self.r.read_line(&mut size).map_err(err)? == 0 {
-                return Ok(false);
-            }
-            let n = usize::from_str_radix(size.trim(), 16).map_err(err)?;
-            if n == 0 {
-                return Ok(false);
-            }
-            let at = self.buf.len();
-            self.buf.resize(at + n, 0);
-            self.r.read_exact(&mut self.buf[at..]).map_err(err)?;
-            let mut crlf = [0u8; 2];
-            self.r.read_exact(&mut crlf).map_err(err)?;
-            Ok(true)
-        } else {
-            let mut tmp = [0u8; 8192];
-            let n = self.r.read(&mut tmp).map_err(err)?;
-            self.buf.extend_from_slice(&tmp[..n]);
-            Ok(n > 0)
-        }
+impl Counters {
+    fn bump(c: &AtomicU64) {
+        c.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn next_value(&mut self) -> Result<Option<Value>, AgentError> {
-        loop {
-            let mut it = serde_json::Deserializer::from_slice(&self.buf).into_iter::<Value>();
-            match it.next() {
-                Some(Ok(v)) => {
-                    let used = it.byte_offset();
-                    self.buf.drain(..used);
-                    return Ok(Some(v));
-                }
-                Some(Err(e)) if !e.is_eof() => return Err(err(e)),
-                _ => {}
-            }
-            if !self.fill()? {
-                return Ok(None);
-            }
+    pub fn snapshot(&self) -> MembershipCounters {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        MembershipCounters {
+            sessions: g(&self.sessions),
+            outages: g(&self.outages),
+            puts: g(&self.puts),
+            loads: g(&self.loads),
+            departures: g(&self.departures),
+            kept: g(&self.kept),
+            relists: g(&self.relists),
         }
     }
 }
 
-fn prefix_end(prefix: &[u8]) -> Vec<u8> {
-    let mut end = prefix.to_vec();
-    if let Some(last) = end.last_mut() {
-        *last += 1;
-    }
-    end
+/// The running membership: how to stop it.
+#[derive(Debug)]
+pub(crate) struct Membership {
+    stop: tokio::sync::watch::Sender<bool>,
+    done: std_mpsc::Receiver<()>,
 }
 
-/// Publishes `inner`'s metadata under `<namespace>/<name>` and keeps it alive; watches the
-/// namespace and loads or forgets peers. Returns once the initial state is loaded.
+impl Membership {
+    /// Revokes the lease and stops the thread (waits up to two seconds for the revoke).
+    pub fn stop(self) {
+        let _ = self.stop.send(true);
+        let _ = self.done.recv_timeout(Duration::from_secs(2));
+    }
+}
+
+struct Session<'a> {
+    agent: &'a Agent,
+    client: Client,
+    key: String,
+    prefix: String,
+    ttl: Duration,
+    /// Peers learned through etcd (the ones a list reconciles).
+    known: &'a Mutex<HashSet<String>>,
+}
+
+/// Why a session ended.
+enum End {
+    Stopped,
+    Failed(etcd_client::Error),
+}
+
+impl From<etcd_client::Error> for End {
+    fn from(e: etcd_client::Error) -> Self {
+        End::Failed(e)
+    }
+}
+
 pub(super) fn join(
     inner: &Arc<Inner>,
-    agent: super::Agent,
-    endpoint: &str,
+    agent: Agent,
+    endpoints: &str,
     namespace: &str,
     ttl: Duration,
 ) -> Result<(), AgentError> {
-    let key = format!("{namespace}/{}", inner.name);
-    let publish = {
-        let (endpoint, key) = (endpoint.to_string(), key.clone());
-        let inner = Arc::clone(inner);
-        move || -> Result<(), AgentError> {
-            // A fresh lease each time; the previous one lapses, so a dead agent's key expires.
-            let lease = post(
-                &endpoint,
-                "/v3/lease/grant",
-                &json!({"TTL": ttl.as_secs().max(2)}),
-            )?;
-            let id = lease["ID"]
-                .as_str()
-                .ok_or_else(|| err("no lease id"))?
-                .to_string();
-            let md = inner.metadata_for("*").encode()?;
-            post(
-                &endpoint,
-                "/v3/kv/put",
-                &json!({"key": b64(key.as_bytes()), "value": b64(&md), "lease": id}),
-            )?;
-            Ok(())
-        }
-    };
-    publish()?;
-    // Initial state.
-    let pfx = format!("{namespace}/");
-    let range = post(
-        endpoint,
-        "/v3/kv/range",
-        &json!({"key": b64(pfx.as_bytes()), "range_end": b64(&prefix_end(pfx.as_bytes()))}),
-    )?;
-    let rev: u64 = range["header"]["revision"]
-        .as_str()
-        .and_then(|r| r.parse().ok())
-        .unwrap_or(0);
-    for kv in range["kvs"].as_array().into_iter().flatten() {
-        apply(&agent, &key, kv, false);
+    let endpoints: Vec<String> = endpoints
+        .split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .map(String::from)
+        .collect();
+    if endpoints.is_empty() {
+        return Err(AgentError::InvalidEtcdEndpoints);
     }
-    // Keep-alive.
-    let inner_k = Arc::clone(inner);
-    std::thread::spawn(move || {
-        while !inner_k.stopped.load(Ordering::SeqCst) {
-            std::thread::sleep(ttl / 3);
-            if inner_k.stopped.load(Ordering::SeqCst) {
-                return;
-            }
-            if let Err(e) = publish() {
-                tracing::warn!(error = %e, "etcd: republishing metadata failed");
-            }
+    let key = format!("{namespace}/{}", inner.name);
+    let prefix = format!("{namespace}/");
+    let ttl = ttl.max(Duration::from_secs(2));
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let (first_tx, first_rx) = std_mpsc::channel::<Result<(), etcd_client::Error>>();
+    let (done_tx, done_rx) = std_mpsc::channel();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(AgentError::ControlThread)?;
+    std::thread::Builder::new()
+        .name(format!("rixl-etcd-{}", inner.name))
+        .spawn(move || {
+            runtime.block_on(run(agent, endpoints, key, prefix, ttl, stop_rx, first_tx));
+            let _ = done_tx.send(());
+        })
+        .map_err(AgentError::ControlThread)?;
+    match first_rx.recv_timeout(JOIN_TIMEOUT) {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            let _ = stop_tx.send(true);
+            return Err(AgentError::Etcd(e));
         }
-    });
-    // Watch.
-    let (endpoint, pfx_key) = (endpoint.to_string(), pfx);
-    let inner_w = Arc::clone(inner);
-    std::thread::spawn(move || {
-        while !inner_w.stopped.load(Ordering::SeqCst) {
-            if let Err(e) = watch(&agent, &endpoint, &pfx_key, &key, rev + 1) {
-                tracing::warn!(error = %e, "etcd watch ended; restarting");
-                std::thread::sleep(Duration::from_millis(500));
-            }
+        Err(_) => {
+            let _ = stop_tx.send(true);
+            return Err(AgentError::EtcdTimeout(JOIN_TIMEOUT));
         }
+    }
+    let old = lock(&inner.membership).replace(Membership {
+        stop: stop_tx,
+        done: done_rx,
     });
+    if let Some(old) = old {
+        old.stop();
+    }
     Ok(())
 }
 
-fn watch(
-    agent: &super::Agent,
-    endpoint: &str,
-    pfx: &str,
-    own: &str,
-    rev: u64,
-) -> Result<(), AgentError> {
-    let mut s = TcpStream::connect(endpoint).map_err(err)?;
-    s.set_read_timeout(Some(Duration::from_millis(500)))
-        .map_err(err)?;
-    let body = json!({"create_request": {"key": b64(pfx.as_bytes()), "range_end": b64(&prefix_end(pfx.as_bytes())), "start_revision": rev.to_string()}}).to_string();
-    write!(s, "POST /v3/watch HTTP/1.1\r\nHost: {endpoint}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}", body.len()).map_err(err)?;
-    let mut r = BufReader::new(s);
-    let chunked = loop {
-        match read_headers(&mut r) {
-            Ok(c) => break c,
-            Err(AgentError::SideChannel(m))
-                if m.contains("timed out")
-                    || m.contains("WouldBlock")
-                    || m.contains("temporarily") =>
-            {
-                continue
-            }
-            Err(e) => return Err(e),
-        }
-    };
-    let mut stream = BodyStream {
-        r,
-        chunked,
-        buf: Vec::new(),
-    };
+/// The control thread: sessions with etcd until stopped, retrying while it is away.
+async fn run(
+    agent: Agent,
+    endpoints: Vec<String>,
+    key: String,
+    prefix: String,
+    ttl: Duration,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+    first: std_mpsc::Sender<Result<(), etcd_client::Error>>,
+) {
+    let known = Mutex::new(HashSet::new());
+    let mut first = Some(first);
+    let mut retry = Duration::from_millis(100);
+    let counters = &agent.inner.membership_counters;
     loop {
-        if agent.inner.stopped.load(Ordering::SeqCst) {
-            return Ok(());
-        }
-        match stream.next_value() {
-            Ok(Some(v)) => {
-                for ev in v["result"]["events"].as_array().into_iter().flatten() {
-                    let delete = ev["type"].as_str() == Some("DELETE");
-                    apply(agent, own, &ev["kv"], delete);
+        let opts = ConnectOptions::new()
+            .with_connect_timeout(Duration::from_secs(2))
+            .with_timeout(Duration::from_secs(5));
+        let end = match Client::connect(&endpoints, Some(opts)).await {
+            Ok(client) => {
+                let mut s = Session {
+                    agent: &agent,
+                    client,
+                    key: key.clone(),
+                    prefix: prefix.clone(),
+                    ttl,
+                    known: &known,
+                };
+                Counters::bump(&counters.sessions);
+                s.run(&mut stop, &mut first).await
+            }
+            Err(e) => End::Failed(e),
+        };
+        match end {
+            End::Stopped => return,
+            End::Failed(e) => {
+                if let Some(f) = first.take() {
+                    let _ = f.send(Err(e));
+                    return;
                 }
+                Counters::bump(&counters.outages);
+                tracing::warn!(agent = %agent.inner.name, error = %e, retry = ?retry, "etcd unreachable; the data path is unaffected, retrying");
             }
-            Ok(None) => return Err(err("watch stream closed")),
-            Err(AgentError::SideChannel(m))
-                if m.contains("timed out")
-                    || m.contains("Resource temporarily")
-                    || m.contains("would block") => {}
-            Err(e) => return Err(e),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(retry) => {}
+            _ = stop.changed() => return,
+        }
+        retry = (retry * 2).min(RETRY_MAX);
+        if agent.inner.stopped.load(Ordering::SeqCst) {
+            return;
         }
     }
 }
 
-fn apply(agent: &super::Agent, own: &str, kv: &Value, delete: bool) {
-    let Some(key) = kv["key"]
-        .as_str()
-        .and_then(|k| unb64(k).ok())
-        .and_then(|k| String::from_utf8(k).ok())
-    else {
-        return;
-    };
-    if key == own {
-        return;
-    }
-    let peer = key.rsplit('/').next().unwrap_or_default().to_string();
-    if delete {
-        tracing::info!(agent = %agent.inner.name, %peer, "etcd: peer left; invalidating");
-        let known = agent.inner.knows(&peer);
-        if known {
-            futures_lite::future::block_on(agent.invalidate_remote(&peer));
+impl Session<'_> {
+    async fn run(
+        &mut self,
+        stop: &mut tokio::sync::watch::Receiver<bool>,
+        first: &mut Option<std_mpsc::Sender<Result<(), etcd_client::Error>>>,
+    ) -> End {
+        let inner = &self.agent.inner;
+        let lease = match self
+            .client
+            .lease_grant(self.ttl.as_secs() as i64, None)
+            .await
+        {
+            Ok(l) => l.id(),
+            Err(e) => return End::Failed(e),
+        };
+        let mut changes = inner.watch_metadata();
+        if let Err(e) = self.put(lease).await {
+            return End::Failed(e);
         }
-        return;
+        let mut revision = match self.list().await {
+            Ok(r) => r,
+            Err(e) => return End::Failed(e),
+        };
+        if let Some(f) = first.take() {
+            let _ = f.send(Ok(()));
+        }
+        let (mut keeper, mut alive) = match self.client.lease_keep_alive(lease).await {
+            Ok(k) => k,
+            Err(e) => return End::Failed(e),
+        };
+        let mut tick = tokio::time::interval(self.ttl / 3);
+        loop {
+            let opts = WatchOptions::new()
+                .with_prefix()
+                .with_start_revision(revision + 1);
+            let mut watch = match self.client.watch(self.prefix.clone(), Some(opts)).await {
+                Ok(w) => w,
+                Err(e) => return End::Failed(e),
+            };
+            // Events until the watch must be made again (compaction, cancel).
+            let relist = loop {
+                tokio::select! {
+                    _ = stop.changed() => {
+                        let _ = tokio::time::timeout(Duration::from_secs(1), self.client.lease_revoke(lease)).await;
+                        tracing::info!(agent = %inner.name, "left etcd (lease revoked)");
+                        return End::Stopped;
+                    }
+                    _ = tick.tick() => {
+                        if let Err(e) = keeper.keep_alive().await {
+                            return End::Failed(e);
+                        }
+                    }
+                    r = alive.message() => match r {
+                        Ok(Some(r)) if r.ttl() > 0 => {}
+                        Ok(_) => return End::Failed(etcd_client::Error::LeaseKeepAliveError("lease expired".into())),
+                        Err(e) => return End::Failed(e),
+                    },
+                    Some(()) = changes.next() => {
+                        // Coalesce a burst of registrations into one PUT.
+                        while changes.try_recv().is_ok() {}
+                        if let Err(e) = self.put(lease).await {
+                            return End::Failed(e);
+                        }
+                    }
+                    m = watch.message() => match m {
+                        Ok(Some(resp)) => {
+                            if resp.canceled() || resp.compact_revision() > 0 {
+                                tracing::info!(agent = %inner.name, compact = resp.compact_revision(), reason = resp.cancel_reason(), "etcd watch cancelled; listing again");
+                                break true;
+                            }
+                            if let Some(h) = resp.header() {
+                                revision = revision.max(h.revision());
+                            }
+                            for ev in resp.events() {
+                                let Some(kv) = ev.kv() else { continue };
+                                match ev.event_type() {
+                                    EventType::Put => self.load(kv.key(), kv.value()),
+                                    EventType::Delete => self.departed(kv.key()).await,
+                                }
+                            }
+                        }
+                        Ok(None) => return End::Failed(etcd_client::Error::WatchError("watch stream ended".into())),
+                        Err(e) => return End::Failed(e),
+                    },
+                }
+            };
+            if relist {
+                Counters::bump(&inner.membership_counters.relists);
+                revision = match self.list().await {
+                    Ok(r) => r,
+                    Err(e) => return End::Failed(e),
+                };
+            }
+        }
     }
-    match kv["value"].as_str().map(unb64) {
-        Some(Ok(blob)) => match agent.load_remote_metadata(&blob) {
+
+    /// PUTs this agent's metadata on `lease`.
+    async fn put(&mut self, lease: i64) -> Result<(), etcd_client::Error> {
+        let inner = &self.agent.inner;
+        let md = match inner.metadata_for("*").encode() {
+            Ok(md) => md,
+            Err(e) => {
+                tracing::warn!(agent = %inner.name, error = %e, "metadata cannot be encoded; not published");
+                return Ok(());
+            }
+        };
+        self.client
+            .put(
+                self.key.clone(),
+                md,
+                Some(PutOptions::new().with_lease(lease)),
+            )
+            .await?;
+        Counters::bump(&inner.membership_counters.puts);
+        Ok(())
+    }
+
+    /// Lists the namespace, loads every peer in it and reconciles the ones gone; returns the
+    /// list's revision.
+    async fn list(&mut self) -> Result<i64, etcd_client::Error> {
+        let resp = self
+            .client
+            .get(self.prefix.clone(), Some(GetOptions::new().with_prefix()))
+            .await?;
+        let revision = resp.header().map_or(0, |h| h.revision());
+        let mut present = HashSet::new();
+        for kv in resp.kvs() {
+            if let Some(peer) = self.peer_of(kv.key()) {
+                present.insert(peer);
+                self.load(kv.key(), kv.value());
+            }
+        }
+        let gone: Vec<String> = lock(self.known)
+            .iter()
+            .filter(|p| !present.contains(*p))
+            .cloned()
+            .collect();
+        for peer in gone {
+            self.depart(&peer).await;
+        }
+        Ok(revision)
+    }
+
+    /// The peer a key names (`None` for our own key or one outside the namespace).
+    fn peer_of(&self, key: &[u8]) -> Option<String> {
+        let key = std::str::from_utf8(key).ok()?;
+        if key == self.key {
+            return None;
+        }
+        key.strip_prefix(&self.prefix).map(String::from)
+    }
+
+    fn load(&self, key: &[u8], value: &[u8]) {
+        let Some(peer) = self.peer_of(key) else {
+            return;
+        };
+        let inner = &self.agent.inner;
+        match self.agent.load_remote_metadata(value) {
+            Ok(name) if name == peer => {
+                Counters::bump(&inner.membership_counters.loads);
+                tracing::debug!(agent = %inner.name, %peer, "etcd: loaded metadata");
+                lock(self.known).insert(peer);
+            }
             Ok(name) => {
-                tracing::debug!(agent = %agent.inner.name, peer = %name, "etcd: loaded metadata")
+                tracing::warn!(agent = %inner.name, key = %peer, %name, "etcd: metadata under another agent's key");
             }
-            Err(e) => tracing::warn!(%peer, error = %e, "etcd: rejected metadata"),
-        },
-        _ => tracing::warn!(%peer, "etcd: value is not base64"),
+            Err(e) => {
+                tracing::warn!(agent = %inner.name, %peer, error = %e, "etcd: rejected metadata")
+            }
+        }
+    }
+
+    async fn departed(&self, key: &[u8]) {
+        if let Some(peer) = self.peer_of(key) {
+            self.depart(&peer).await;
+        }
+    }
+
+    /// A peer left the namespace: kept if its side channel still answers with the metadata
+    /// generation we have, invalidated otherwise.
+    async fn depart(&self, peer: &str) {
+        let inner = Arc::clone(&self.agent.inner);
+        let p = peer.to_string();
+        let alive = tokio::task::spawn_blocking(move || still_there(&inner, &p))
+            .await
+            .unwrap_or(false);
+        let inner = &self.agent.inner;
+        if alive {
+            Counters::bump(&inner.membership_counters.kept);
+            tracing::info!(agent = %inner.name, %peer, "etcd: peer's key is gone but it answers; kept");
+            return;
+        }
+        Counters::bump(&inner.membership_counters.departures);
+        lock(self.known).remove(peer);
+        tracing::info!(agent = %inner.name, %peer, "etcd: peer left; invalidating");
+        if inner.knows(peer) {
+            self.agent.invalidate_remote(peer).await;
+        }
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
+/// Whether `peer`'s side channel answers with the metadata generation loaded now.
+fn still_there(inner: &Inner, peer: &str) -> bool {
+    let Ok(p) = inner.peer(peer) else {
+        return false;
+    };
+    let Some(md) = p.metadata.as_ref().filter(|m| !m.address.is_empty()) else {
+        return false;
+    };
+    let deadline = Instant::now() + PROBE_TIMEOUT;
+    sidechannel::fetch_metadata(&inner.name, &md.address, deadline)
+        .ok()
+        .and_then(|blob| super::metadata::AgentMetadata::decode(&blob).ok())
+        .is_some_and(|fresh| fresh.name == peer && fresh.generation == md.generation)
+}
 
-    #[test]
-    fn base64_round_trips() {
-        for data in [
-            &b""[..],
-            b"f",
-            b"fo",
-            b"foo",
-            b"foob",
-            b"fooba",
-            b"foobar",
-            &[0, 255, 128, 7],
-        ] {
-            assert_eq!(unb64(&b64(data)).expect("decode"), data);
-        }
-        assert_eq!(b64(b"foobar"), "Zm9vYmFy");
-        assert_eq!(b64(b"fo"), "Zm8=");
-        assert!(unb64("Zm9v!").is_err());
+impl Inner {
+    /// A stream that yields each time this agent's metadata changes (a registration made or
+    /// released).
+    pub(crate) fn watch_metadata(&self) -> futures_channel::mpsc::UnboundedReceiver<()> {
+        let (tx, rx) = futures_channel::mpsc::unbounded();
+        lock(&self.metadata_watchers).push(tx);
+        rx
+    }
+
+    /// Tells every metadata watcher that the metadata changed.
+    pub(crate) fn metadata_changed(&self) {
+        lock(&self.metadata_watchers).retain(|w| w.unbounded_send(()).is_ok());
     }
 }

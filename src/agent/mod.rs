@@ -14,7 +14,7 @@ mod cache;
 mod config;
 pub(crate) mod error;
 mod estimate;
-pub mod etcd;
+mod etcd;
 mod handle;
 mod link;
 pub mod metadata;
@@ -38,6 +38,7 @@ use snapshot::{lock, Snapshot};
 pub use crate::runtime::{STRIPE_MIN, STRIPE_SLICE};
 pub use config::{AgentConfig, RemoteRef, Visibility};
 pub use error::AgentError;
+pub use etcd::MembershipCounters;
 pub use handle::{CallOptions, Transfer, TransferStatus};
 pub use link::{LinkCounters, BACKOFF_MAX, BACKOFF_MIN};
 pub use notify::{Notification, Notifications, MAX_NOTIFICATION};
@@ -70,6 +71,11 @@ pub(crate) struct Inner {
     connect_timeout: std::time::Duration,
     /// A call's deadline when it sets none (the engine's `transfer_timeout`).
     transfer_timeout: std::time::Duration,
+    /// Membership through etcd, once joined.
+    membership: Mutex<Option<etcd::Membership>>,
+    membership_counters: etcd::Counters,
+    /// Told when this agent's metadata changes (membership PUTs it again).
+    metadata_watchers: Mutex<Vec<mpsc::UnboundedSender<()>>>,
 }
 
 /// Connections held by the engines and known to the agent ([`Agent::connection_census`]).
@@ -157,6 +163,9 @@ impl Agent {
                 links: link::Links::default(),
                 connect_timeout: cfg.connect_timeout,
                 transfer_timeout: cfg.engine.transfer_timeout,
+                membership: Mutex::new(None),
+                membership_counters: Default::default(),
+                metadata_watchers: Mutex::new(Vec::new()),
             }),
         })
     }
@@ -219,9 +228,21 @@ impl Agent {
         self.inner.rails.len()
     }
 
-    /// Stops the side channel and the engines.
+    /// What membership through etcd has seen ([`Self::join_etcd`]): sessions, outages, PUTs,
+    /// loads, departures.
+    pub fn membership_counters(&self) -> MembershipCounters {
+        self.inner.membership_counters.snapshot()
+    }
+
+    /// Leaves etcd (the lease is revoked, so the key goes at once), stops the side channel and
+    /// the engines.
     pub fn shutdown(&self) {
+        // Stopped first: a peer that sees our key go and probes the side channel must find it
+        // closed.
         self.inner.stopped.store(true, Ordering::SeqCst);
+        if let Some(m) = lock(&self.inner.membership).take() {
+            m.stop();
+        }
         for p in lock(&self.inner.pools).drain(..) {
             p.shutdown();
         }

@@ -326,21 +326,25 @@ impl Agent {
         self.load_remote_metadata(&blob)
     }
 
-    /// Joins a central store: publishes this agent's metadata (regions visible to all) under
-    /// `<namespace>/<name>` on the etcd server at `endpoint` (`host:port`), renewed on a `ttl`
-    /// lease, and watches the namespace: peers that appear (or re-join with new metadata) are
-    /// loaded, peers whose key disappears are invalidated. Call [`Self::listen`] first so the
-    /// published metadata carries the side-channel address.
+    /// Joins a membership service: publishes this agent's metadata (regions visible to all)
+    /// under `<namespace>/<name>` in etcd on a lease of `ttl` kept alive, PUT again whenever it
+    /// changes, and watches the namespace: peers that appear (or re-join with new metadata) are
+    /// loaded, peers whose key disappears and whose side channel no longer answers are
+    /// invalidated. `endpoints` is one or more `host:port`, comma-separated (the members of an
+    /// etcd cluster). Call [`Self::listen`] first so the published metadata carries the
+    /// side-channel address. An etcd outage does not touch the data path: see the outage policy
+    /// in `docs/reliability.md`. [`Self::shutdown`] revokes the lease.
     ///
     /// # Errors
-    /// [`AgentError::SideChannel`] if etcd cannot be reached.
+    /// [`AgentError::Etcd`] if etcd refuses the first join, [`AgentError::EtcdTimeout`] if it
+    /// cannot be reached within 10 s, [`AgentError::InvalidEtcdEndpoints`].
     pub fn join_etcd(
         &self,
-        endpoint: &str,
+        endpoints: &str,
         namespace: &str,
         ttl: std::time::Duration,
     ) -> Result<(), AgentError> {
-        super::etcd::join(&self.inner, self.clone(), endpoint, namespace, ttl)
+        super::etcd::join(&self.inner, self.clone(), endpoints, namespace, ttl)
     }
 
     /// Checks that `peer`'s metadata is loaded and grants us every region of `regions` (NIXL's

@@ -113,6 +113,7 @@ impl Drop for RegInner {
     fn drop(&mut self) {
         if let Some(a) = self.agent.upgrade() {
             a.regs.update(|regs| regs.remove(&self.id));
+            a.metadata_changed();
         }
     }
 }
@@ -477,6 +478,7 @@ impl Agent {
         self.inner
             .regs
             .update(|regs| regs.insert(id, Arc::new(reg)));
+        self.inner.metadata_changed();
         Registration {
             inner: Arc::new(RegInner {
                 id,

@@ -1,0 +1,248 @@
+//! Membership through a real 3-member etcd cluster (Debian's etcd-server, three processes on
+//! loopback) while agents churn, on a real device (rxe in the guest): a member is killed and
+//! restarted under load, and the agents notice nothing beyond a log line. Skipped without a
+//! device (a failure under `RIXL_REQUIRE_RDMA=1`).
+
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use futures_lite::future::block_on;
+use rixl::agent::{Agent, AgentConfig, RemoteRef, Visibility};
+use rixl::runtime::LocalDescList;
+use rixl_testkit::{fill, init_logs, report, require_or_skip};
+
+/// Three etcd members on loopback, each with its own data directory.
+struct Cluster {
+    members: Vec<Member>,
+    endpoints: String,
+}
+
+struct Member {
+    name: String,
+    args: Vec<String>,
+    child: Option<Child>,
+    client: String,
+}
+
+impl Member {
+    fn spawn(&mut self) {
+        let child = Command::new("etcd")
+            .args(&self.args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start etcd (Debian package etcd-server)");
+        self.child = Some(child);
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Cluster {
+    fn start() -> Cluster {
+        let base = 24000 + (std::process::id() % 1000) as u16 * 6;
+        let root = std::env::temp_dir().join(format!("rixl-etcd3-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let peer = |i: u16| format!("http://127.0.0.1:{}", base + 2 * i + 1);
+        let initial: Vec<String> = (0..3).map(|i| format!("m{i}={}", peer(i))).collect();
+        let mut members: Vec<Member> = (0..3u16)
+            .map(|i| {
+                let client = format!("127.0.0.1:{}", base + 2 * i);
+                let dir = root.join(format!("m{i}"));
+                let args = [
+                    "--name",
+                    &format!("m{i}"),
+                    "--data-dir",
+                    dir.to_str().expect("utf8 path"),
+                    "--listen-client-urls",
+                    &format!("http://{client}"),
+                    "--advertise-client-urls",
+                    &format!("http://{client}"),
+                    "--listen-peer-urls",
+                    &peer(i),
+                    "--initial-advertise-peer-urls",
+                    &peer(i),
+                    "--initial-cluster",
+                    &initial.join(","),
+                    "--initial-cluster-state",
+                    "new",
+                    "--initial-cluster-token",
+                    &format!("rixl-{}", std::process::id()),
+                ]
+                .map(String::from)
+                .to_vec();
+                Member {
+                    name: format!("m{i}"),
+                    args,
+                    child: None,
+                    client,
+                }
+            })
+            .collect();
+        for m in &mut members {
+            m.spawn();
+        }
+        let endpoints = members
+            .iter()
+            .map(|m| m.client.clone())
+            .collect::<Vec<_>>()
+            .join(",");
+        let t0 = Instant::now();
+        for m in &members {
+            while std::net::TcpStream::connect(&m.client).is_err() {
+                assert!(
+                    t0.elapsed() < Duration::from_secs(30),
+                    "etcd {} did not start",
+                    m.name
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        Cluster { members, endpoints }
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for m in &mut self.members {
+            m.kill();
+        }
+    }
+}
+
+fn agent(name: &str, cpu: usize) -> Agent {
+    let mut cfg = AgentConfig::default();
+    cfg.cpu = cpu % rixl::runtime::available_cpus().len();
+    cfg.engine.transfer_timeout = Duration::from_secs(5);
+    Agent::new(name, cfg).expect("agent")
+}
+
+fn wait_until(what: &str, timeout: Duration, f: impl Fn() -> bool) -> Duration {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < timeout, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    t0.elapsed()
+}
+
+#[test]
+fn etcd_cluster_member_killed_and_restarted_while_agents_churn_changes_nothing_but_a_log_line() {
+    init_logs();
+    let Some(exporter) = require_or_skip("etcd_cluster", || {
+        let mut cfg = AgentConfig::default();
+        cfg.cpu = 0;
+        Agent::new("exporter", cfg)
+    }) else {
+        return;
+    };
+    let cluster = Cluster::start();
+    let ns = format!("/rixl-cluster/{}", std::process::id());
+    let ttl = Duration::from_secs(3);
+    const LEN: usize = 4 << 20;
+    let src = block_on(exporter.register(LEN, Visibility::All)).expect("src");
+    let mut pattern = vec![0u8; LEN];
+    fill(&mut pattern, 51);
+    src.region().write_at(0, &pattern).unwrap();
+    exporter.listen("127.0.0.1:0").expect("listen");
+    exporter
+        .join_etcd(&cluster.endpoints, &ns, ttl)
+        .expect("exporter joins");
+    let user = agent("user", 1);
+    user.listen("127.0.0.1:0").expect("listen");
+    user.join_etcd(&cluster.endpoints, &ns, ttl)
+        .expect("user joins");
+    wait_until(
+        "the user knows the exporter",
+        Duration::from_secs(10),
+        || user.peers().contains(&"exporter".to_string()),
+    );
+    let dst = block_on(user.register(LEN, Visibility::All)).expect("dst");
+    // Verified transfers all the time, from the moment the user knows the exporter.
+    let stop = AtomicBool::new(false);
+    let (ok, failed) = (AtomicU64::new(0), AtomicU64::new(0));
+    let churned = std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut l = LocalDescList::new();
+            l.push(dst.region(), 0, LEN as u64);
+            let r = [RemoteRef {
+                region: src.id(),
+                offset: 0,
+                len: LEN as u64,
+            }];
+            let mut got = vec![0u8; LEN];
+            while !stop.load(Ordering::Relaxed) {
+                dst.region().write_at(0, &[0u8; 4096]).unwrap();
+                match block_on(user.read("exporter", &l, &r)) {
+                    Ok(_) => {
+                        dst.region().read_at(0, &mut got).unwrap();
+                        assert!(got == pattern, "corrupted bytes");
+                        ok.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        eprintln!("transfer failed: {e}");
+                        failed.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            }
+        });
+        // Churners join and leave every second; a member is killed after the second, and
+        // restarted after the fifth.
+        let mut seen = Vec::new();
+        let mut cluster = cluster;
+        for round in 0..8 {
+            if round == 2 {
+                cluster.members[0].kill();
+                report("etcd member m0 killed");
+            }
+            if round == 5 {
+                cluster.members[0].spawn();
+                report("etcd member m0 restarted");
+            }
+            let name = format!("churner-{round}");
+            let c = agent(&name, round);
+            let _reg = block_on(c.register(1 << 20, Visibility::All)).expect("churner region");
+            c.listen("127.0.0.1:0").expect("listen");
+            c.join_etcd(&cluster.endpoints, &ns, ttl)
+                .expect("a churner joins with one member down or not");
+            let joined = wait_until(
+                &format!("the user sees {name}"),
+                Duration::from_secs(10),
+                || user.peers().contains(&name),
+            );
+            c.shutdown();
+            let left = wait_until(
+                &format!("the user sees {name} leave"),
+                Duration::from_secs(10),
+                || !user.peers().contains(&name),
+            );
+            seen.push(format!(
+                "{name}: seen after {joined:?}, gone after {left:?}"
+            ));
+            assert!(
+                user.peers().contains(&"exporter".to_string()),
+                "the exporter is never dropped"
+            );
+        }
+        stop.store(true, Ordering::Relaxed);
+        seen
+    });
+    let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
+    let (uc, ec) = (user.membership_counters(), exporter.membership_counters());
+    report(&format!(
+        "etcd cluster: {ok} verified transfers, {failed} failed; user {uc:?}; exporter {ec:?}\n  {}",
+        churned.join("\n  ")
+    ));
+    assert_eq!(failed, 0, "every transfer to the live exporter succeeds");
+    assert!(ok > 0, "transfers ran");
+    assert_eq!(uc.departures, 8, "exactly the churners departed: {uc:?}");
+    assert_eq!(uc.kept, 0, "{uc:?}");
+    user.shutdown();
+    exporter.shutdown();
+}
