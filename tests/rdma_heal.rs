@@ -520,11 +520,18 @@ fn async_event_port_down_fails_transfers_at_once_and_connections_heal_when_it_is
     block_on(user.read(&peer, &l, &r)).expect("read while the link is up");
     // Reads back to back; the link goes down under one of them.
     let (err, took, down_at) = std::thread::scope(|s| {
-        let t = s.spawn(|| loop {
-            let (l, r) = whole();
-            let t0 = Instant::now();
-            if let Err(e) = block_on(user.read(&peer, &l, &r)) {
-                return (e, t0.elapsed(), Instant::now());
+        let t = s.spawn(|| {
+            let started = Instant::now();
+            loop {
+                let (l, r) = whole();
+                let t0 = Instant::now();
+                if let Err(e) = block_on(user.read(&peer, &l, &r)) {
+                    return (e, t0.elapsed(), Instant::now());
+                }
+                assert!(
+                    started.elapsed() < Duration::from_secs(30),
+                    "transfers kept succeeding with the link down"
+                );
             }
         });
         std::thread::sleep(Duration::from_millis(100));

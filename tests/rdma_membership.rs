@@ -166,6 +166,13 @@ fn etcd_cluster_member_killed_and_restarted_while_agents_churn_changes_nothing_b
     let dst = block_on(user.register(LEN, Visibility::All)).expect("dst");
     // Verified transfers all the time, from the moment the user knows the exporter.
     let stop = AtomicBool::new(false);
+    // Stops the transfer thread even when an assertion below fails (the scope would wait).
+    struct StopOnDrop<'a>(&'a AtomicBool);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
     let (ok, failed) = (AtomicU64::new(0), AtomicU64::new(0));
     let churned = std::thread::scope(|s| {
         s.spawn(|| {
@@ -194,6 +201,7 @@ fn etcd_cluster_member_killed_and_restarted_while_agents_churn_changes_nothing_b
         });
         // Churners join and leave every second; a member is killed after the second, and
         // restarted after the fifth.
+        let _stop = StopOnDrop(&stop);
         let mut seen = Vec::new();
         let mut cluster = cluster;
         for round in 0..8 {
@@ -230,7 +238,6 @@ fn etcd_cluster_member_killed_and_restarted_while_agents_churn_changes_nothing_b
                 "the exporter is never dropped"
             );
         }
-        stop.store(true, Ordering::Relaxed);
         seen
     });
     let (ok, failed) = (ok.load(Ordering::Relaxed), failed.load(Ordering::Relaxed));
@@ -241,8 +248,9 @@ fn etcd_cluster_member_killed_and_restarted_while_agents_churn_changes_nothing_b
     ));
     assert_eq!(failed, 0, "every transfer to the live exporter succeeds");
     assert!(ok > 0, "transfers ran");
+    // A member's death may end a session (and let a lease lapse): peers whose key went but who
+    // still answered were kept, never invalidated.
     assert_eq!(uc.departures, 8, "exactly the churners departed: {uc:?}");
-    assert_eq!(uc.kept, 0, "{uc:?}");
     user.shutdown();
     exporter.shutdown();
 }

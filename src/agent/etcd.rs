@@ -191,11 +191,17 @@ async fn run(
     let mut first = Some(first);
     let mut retry = Duration::from_millis(100);
     let counters = &agent.inner.membership_counters;
+    // One member at a time, moving to the next one when a session fails: a request routed to a
+    // dead member would fail even though the cluster is healthy.
+    let mut next = 0;
+    let mut failed_in_row = 0;
     loop {
+        let endpoint = &endpoints[next % endpoints.len()];
+        next += 1;
         let opts = ConnectOptions::new()
             .with_connect_timeout(Duration::from_secs(2))
             .with_timeout(Duration::from_secs(5));
-        let end = match Client::connect(&endpoints, Some(opts)).await {
+        let end = match Client::connect([endpoint], Some(opts)).await {
             Ok(client) => {
                 let mut s = Session {
                     agent: &agent,
@@ -206,21 +212,38 @@ async fn run(
                     known: &known,
                 };
                 Counters::bump(&counters.sessions);
-                s.run(&mut stop, &mut first).await
+                let (end, established) = s.run(&mut stop, &mut first).await;
+                if established {
+                    failed_in_row = 0;
+                    retry = Duration::from_millis(100);
+                }
+                end
             }
             Err(e) => End::Failed(e),
         };
         match end {
             End::Stopped => return,
             End::Failed(e) => {
-                if let Some(f) = first.take() {
-                    let _ = f.send(Err(e));
-                    return;
+                failed_in_row += 1;
+                if first.is_some() {
+                    if failed_in_row >= endpoints.len() {
+                        if let Some(f) = first.take() {
+                            let _ = f.send(Err(e));
+                        }
+                        return;
+                    }
+                    // The first join tries every member before it gives up.
+                    continue;
                 }
                 Counters::bump(&counters.outages);
-                tracing::warn!(agent = %agent.inner.name, error = %e, retry = ?retry, "etcd unreachable; the data path is unaffected, retrying");
+                tracing::warn!(agent = %agent.inner.name, %endpoint, error = %e, retry = ?retry, "etcd member unreachable; the data path is unaffected, trying the next member");
             }
         }
+        if failed_in_row < endpoints.len() {
+            // Another member may answer at once.
+            continue;
+        }
+        failed_in_row = 0;
         tokio::select! {
             _ = tokio::time::sleep(retry) => {}
             _ = stop.changed() => return,
@@ -233,10 +256,22 @@ async fn run(
 }
 
 impl Session<'_> {
+    /// Runs the session; also returns whether it was established (lease, PUT and list done).
     async fn run(
         &mut self,
         stop: &mut tokio::sync::watch::Receiver<bool>,
         first: &mut Option<std_mpsc::Sender<Result<(), etcd_client::Error>>>,
+    ) -> (End, bool) {
+        let mut established = false;
+        let end = self.serve(stop, first, &mut established).await;
+        (end, established)
+    }
+
+    async fn serve(
+        &mut self,
+        stop: &mut tokio::sync::watch::Receiver<bool>,
+        first: &mut Option<std_mpsc::Sender<Result<(), etcd_client::Error>>>,
+        established: &mut bool,
     ) -> End {
         let inner = &self.agent.inner;
         let lease = match self
@@ -255,6 +290,7 @@ impl Session<'_> {
             Ok(r) => r,
             Err(e) => return End::Failed(e),
         };
+        *established = true;
         if let Some(f) = first.take() {
             let _ = f.send(Ok(()));
         }
@@ -413,6 +449,10 @@ impl Session<'_> {
     /// A peer left the namespace: kept if its side channel still answers with the metadata
     /// generation we have, invalidated otherwise.
     async fn depart(&self, peer: &str) {
+        if !lock(self.known).contains(peer) && !self.agent.inner.knows(peer) {
+            // Already gone (a DELETE after the list that found it missing, or never loaded).
+            return;
+        }
         let inner = Arc::clone(&self.agent.inner);
         let p = peer.to_string();
         let alive = tokio::task::spawn_blocking(move || still_there(&inner, &p))
