@@ -42,7 +42,8 @@ const PROBE_TIMEOUT: Duration = Duration::from_secs(1);
 pub struct MembershipCounters {
     /// Sessions with etcd (the first join, then one per reconnection).
     pub sessions: u64,
-    /// Sessions that ended because etcd was unreachable or failed.
+    /// Sessions (or attempts at one) that ended because a member was unreachable or failed;
+    /// each try of a dead member counts.
     pub outages: u64,
     /// Metadata PUTs (the first of each session, then one per change).
     pub puts: u64,

@@ -589,3 +589,32 @@ impl Inner {
         self.peers.load().values().map(|p| p.conns.len()).sum()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transfers_use_the_outbound_connection_else_the_inbound_one_and_removal_is_by_id() {
+        let mut c = Conns::default();
+        assert_eq!(c.get(0), None);
+        assert_eq!(c.set(Direction::Inbound, 0, ConnId(7)), None);
+        assert_eq!(c.get(0), Some(ConnId(7)), "the peer's connection serves us too");
+        assert_eq!(c.set(Direction::Outbound, 0, ConnId(3)), None);
+        assert_eq!(c.get(0), Some(ConnId(3)), "ours first");
+        assert_eq!(c.set(Direction::Inbound, 2, ConnId(9)), None);
+        assert_eq!((c.get(1), c.get(2)), (None, Some(ConnId(9))));
+        assert_eq!(c.len(), 3);
+        // A new inbound connection replaces only the peer's earlier one.
+        assert_eq!(c.set(Direction::Inbound, 0, ConnId(8)), Some(ConnId(7)));
+        assert_eq!(c.get(0), Some(ConnId(3)));
+        // Removal names the connection: a stale id removes nothing.
+        assert!(!c.remove(0, ConnId(7)));
+        assert!(c.remove(0, ConnId(3)));
+        assert_eq!(c.get(0), Some(ConnId(8)), "the inbound one is left");
+        let mut all = c.take();
+        all.sort_by_key(|&(rail, conn)| (rail, conn.0));
+        assert_eq!(all, vec![(0, ConnId(8)), (2, ConnId(9))]);
+        assert_eq!(c.len(), 0);
+    }
+}

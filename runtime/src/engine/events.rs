@@ -59,7 +59,7 @@ pub(super) fn start(inner: &Rc<Inner>, ctx: Context, stop: Arc<AtomicBool>) {
 }
 
 /// Applies one event on the core.
-pub(super) fn handle(inner: &Inner, ev: AsyncEvent) {
+fn handle(inner: &Inner, ev: AsyncEvent) {
     let port = inner.cfg.connect.port;
     inner.core.borrow_mut().counters_mut().async_events += 1;
     let (fault, conns) = match ev {
@@ -105,6 +105,17 @@ pub(super) fn handle(inner: &Inner, ev: AsyncEvent) {
             return;
         }
     };
+    fail(inner, fault, conns);
+}
+
+/// Fails every connection with `fault` (a failed CQ poll).
+pub(super) fn fail_all(inner: &Inner, fault: DeviceFault) {
+    let conns = inner.core.borrow().connection_ids();
+    fail(inner, fault, conns);
+}
+
+/// Fails each of `conns` still live with `fault`.
+fn fail(inner: &Inner, fault: DeviceFault, conns: Vec<rixl_proto::ConnId>) {
     let err = TransferError::Device(fault);
     let reason = fault.to_string();
     for conn in conns {

@@ -62,6 +62,8 @@ pub(crate) struct Inner {
     /// Whether the engine's port is up (a port-down async event clears it, port-active sets
     /// it): connections are refused while it is down.
     port_up: Cell<bool>,
+    /// A CQ poll failed (see `nic::VerbsCq`).
+    cq_failed: Cell<bool>,
     /// Tells the async event reader thread to stop (engine shutdown).
     events_stop: Arc<std::sync::atomic::AtomicBool>,
 }
@@ -155,6 +157,7 @@ impl Engine {
             progress_waker: RefCell::new(None),
             shutdown: Cell::new(false),
             port_up: Cell::new(true),
+            cq_failed: Cell::new(false),
             events_stop: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         });
         glommio::spawn_local(progress::run(Rc::clone(&inner))).detach();
@@ -384,12 +387,6 @@ impl Engine {
             self.inner.core.borrow().state(conn),
             Some(rixl_proto::ConnState::Ready)
         )
-    }
-
-    /// Applies a device async event as if the device had reported it (for tests of the fault
-    /// paths: a queue pair fault cannot be provoked on demand).
-    pub fn inject_async_event(&self, ev: rixl_verbs::AsyncEvent) {
-        events::handle(&self.inner, ev);
     }
 
     /// Fails a connection: its QP moves to ERROR, every outstanding transfer on it ends with

@@ -128,6 +128,9 @@ impl SendQueue for VerbsQueue {
 pub(crate) struct VerbsCq<'a> {
     pub cq: &'a CompletionQueue,
     pub wcs: &'a mut [WorkCompletion],
+    /// Set when a poll fails: the progress task then fails every connection (their completions
+    /// can no longer be trusted to arrive).
+    pub failed: &'a std::cell::Cell<bool>,
 }
 
 impl CompletionSource for VerbsCq<'_> {
@@ -136,7 +139,8 @@ impl CompletionSource for VerbsCq<'_> {
         let got = match self.cq.poll(&mut self.wcs[..n]) {
             Ok(got) => got,
             Err(e) => {
-                tracing::error!(error = %e, "polling the CQ failed");
+                tracing::error!(error = %e, "polling the CQ failed; failing every connection");
+                self.failed.set(true);
                 0
             }
         };

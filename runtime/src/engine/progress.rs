@@ -36,9 +36,13 @@ pub(super) async fn run(inner: Rc<Inner>) {
             let mut cq = VerbsCq {
                 cq: &inner.cq,
                 wcs: &mut wcs,
+                failed: &inner.cq_failed,
             };
             core.reap(&mut cq, &mut out)
         };
+        if inner.cq_failed.replace(false) {
+            super::events::fail_all(&inner, rixl_proto::DeviceFault::CompletionQueueError);
+        }
         if n > 0 {
             inner.quiet_polls.set(0);
             // Let the woken futures run.
@@ -101,7 +105,11 @@ async fn wait_off_core(inner: &Rc<Inner>, wcs: &mut [WorkCompletion], out: &mut 
         return;
     }
     let n = {
-        let mut cq = VerbsCq { cq: &inner.cq, wcs };
+        let mut cq = VerbsCq {
+            cq: &inner.cq,
+            wcs,
+            failed: &inner.cq_failed,
+        };
         cq_poll_route(inner, &mut cq, out)
     };
     if n > 0 {

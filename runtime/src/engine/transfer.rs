@@ -575,6 +575,7 @@ async fn wait_slot(guard: &mut SlotGuard) -> Result<(), TransferError> {
         let mut cq = VerbsCq {
             cq: &inner.cq,
             wcs: &mut wcs,
+            failed: &inner.cq_failed,
         };
         if core.reap(&mut cq, &mut out) > 0 {
             inner.quiet_polls.set(0);
