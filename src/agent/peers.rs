@@ -599,7 +599,11 @@ mod tests {
         let mut c = Conns::default();
         assert_eq!(c.get(0), None);
         assert_eq!(c.set(Direction::Inbound, 0, ConnId(7)), None);
-        assert_eq!(c.get(0), Some(ConnId(7)), "the peer's connection serves us too");
+        assert_eq!(
+            c.get(0),
+            Some(ConnId(7)),
+            "the peer's connection serves us too"
+        );
         assert_eq!(c.set(Direction::Outbound, 0, ConnId(3)), None);
         assert_eq!(c.get(0), Some(ConnId(3)), "ours first");
         assert_eq!(c.set(Direction::Inbound, 2, ConnId(9)), None);
