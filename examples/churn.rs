@@ -434,7 +434,15 @@ fn orchestrate(args: &Args) -> Result<bool, BoxError> {
             w.1 = Some(ready);
         }
     }
-    // Everyone quits cleanly and reports its census.
+    // Everyone quits cleanly and reports its census: from now on every member is departing.
+    let end = now_ms();
+    for name in running.keys() {
+        lives
+            .entry(name.clone())
+            .or_default()
+            .away
+            .push((end, None));
+    }
     for m in running.values_mut() {
         if let Some(mut stdin) = m.child.stdin.take() {
             let _ = writeln!(stdin, "quit");

@@ -409,6 +409,99 @@ fn heal_a_killed_peer_restarted_at_its_address_is_reached_without_reloading() {
     user.shutdown();
 }
 
+/// Sends `signal` (`STOP`, `CONT`) to `child` with kill(1) (the tests have no unsafe code).
+fn signal(child: &std::process::Child, signal: &str) {
+    let st = std::process::Command::new("kill")
+        .args([&format!("-{signal}"), &child.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(st.success(), "kill -{signal}");
+}
+
+#[test]
+fn heal_a_stopped_peer_times_out_set_ups_in_time_and_heals_after_sigcont() {
+    let Some(user) = require_or_skip("heal_stop", || Agent::new("stop-user", fast_failing(0)))
+    else {
+        return;
+    };
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let mut owner = spawn_owner(port, 61);
+    let addr = format!("127.0.0.1:{port}");
+    let peer = user.fetch_remote_metadata(&addr).expect("fetch");
+    // A second agent that learned the metadata but never connected.
+    let late = Agent::new("stop-late", fast_failing(1)).expect("second agent");
+    late.fetch_remote_metadata(&addr).expect("fetch");
+    let read = |agent: &Agent, deadline: Duration| {
+        let dst = block_on(agent.register(1 << 20, Visibility::All)).expect("dst");
+        let mut l = LocalDescList::new();
+        l.push(dst.region(), 0, 1 << 20);
+        let r = [RemoteRef {
+            region: owner.region,
+            offset: 0,
+            len: 1 << 20,
+        }];
+        let opts = CallOptions::new().timeout(deadline);
+        let t0 = Instant::now();
+        let r = block_on(agent.transfer_with(&peer, rixl::runtime::Op::Read, &l, &r, opts));
+        let took = t0.elapsed();
+        let ok = r.is_ok() && contents(&dst) == patterned(PEER_LEN, 61)[..1 << 20];
+        (r.map(|_| ok), took)
+    };
+    read(&user, Duration::from_secs(3))
+        .0
+        .expect("read while running");
+    signal(&owner.child, "STOP");
+    // One-sided reads on the made connection still land: rxe's responder is the kernel, not
+    // the stopped process.
+    let (on_made, took_made) = read(&user, Duration::from_secs(3));
+    // A set-up needs the stopped process's side channel: typed, within the deadline + 1 s.
+    let deadline = Duration::from_secs(1);
+    let (fresh, took_fresh) = read(&late, deadline);
+    let err = fresh.expect_err("the stopped peer cannot answer a set-up");
+    assert!(
+        matches!(
+            err,
+            AgentError::ConnectTimeout { .. } | AgentError::ConnectFailed { .. }
+        ),
+        "{err:?}"
+    );
+    assert!(
+        took_fresh < deadline + Duration::from_secs(1),
+        "{took_fresh:?}"
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    signal(&owner.child, "CONT");
+    // After SIGCONT both agents' transfers succeed, with no call from the application.
+    let healed = Instant::now();
+    let healed_after = loop {
+        match read(&late, Duration::from_secs(3)).0 {
+            Ok(true) => break healed.elapsed(),
+            Ok(false) => panic!("bytes differ after SIGCONT"),
+            Err(e) if healed.elapsed() < Duration::from_secs(15) => typed_then_pause(&e),
+            Err(e) => panic!("not healed after SIGCONT: {e}"),
+        }
+    };
+    assert!(
+        matches!(read(&user, Duration::from_secs(3)).0, Ok(true)),
+        "the first agent still reads"
+    );
+    for a in [&user, &late] {
+        let census = block_on(a.connection_census());
+        assert!(census.balanced(), "{}: {census:?}", a.name());
+    }
+    report(&format!(
+        "SIGSTOP: a read on the made connection while stopped: {on_made:?} in {took_made:?}; a new set-up: {err} after {took_fresh:?} (deadline {deadline:?}); healed {healed_after:?} after SIGCONT; late {:?}",
+        late.link_counters()
+    ));
+    owner.ctl.send_str("quit");
+    assert!(owner.child.wait().expect("wait").success());
+    late.shutdown();
+    user.shutdown();
+}
+
 /// Between healing attempts: the error is typed, and the backoff is short.
 fn typed_then_pause(e: &AgentError) {
     assert!(

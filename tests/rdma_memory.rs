@@ -592,8 +592,9 @@ fn caller_owned_transfers_take_a_per_call_notification_and_timeout() {
     );
     let took = t0.elapsed();
     assert!(
+        // The engine's deadline is what is left of the call's 20 ms once the READ is posted.
         matches!(&r, Err(AgentError::Incomplete { source: TransferError::Timeout(d), descriptors })
-            if *d == Duration::from_millis(20) && descriptors.failed() == (0..1)),
+            if *d <= Duration::from_millis(20) && *d > Duration::ZERO && descriptors.failed() == (0..1)),
         "per-call timeout: {r:?} after {took:?}"
     );
     report(&format!("call options: notification delivered; a READ from a dead peer ended with its 20 ms per-call deadline after {took:?}"));

@@ -242,7 +242,8 @@ fn finish(inner: &Arc<Inner>, key: &LinkKey, r: Result<ConnId, AgentError>) {
     let outcome: Outcome = match r {
         Ok(conn) => {
             st.backoff = None;
-            if let Some(old) = inner.set_conn(&key.peer, Direction::Outbound, key.rail, conn) {
+            if let Some(old) = inner.set_conn(&key.peer, Direction::Outbound, key.rail, conn, None)
+            {
                 // Set-ups of one peer and rail never overlap, and one starts only when no
                 // connection is left: a replaced one is a bug, closed rather than leaked.
                 tracing::warn!(peer = %key.peer, rail = key.rail, old = old.0, "replaced an outbound connection");
@@ -315,8 +316,7 @@ async fn setup(
     let engine = inner.rails.engine(key.rail).clone();
     let (conn, mine) = engine.prepare_connection().await?;
     let connected = async {
-        let theirs =
-            sidechannel::request_connection(&inner.name, &addr, key.rail, &mine, deadline)?;
+        let theirs = sidechannel::request_connection(inner, &addr, key.rail, &mine, deadline)?;
         engine.complete_connection(conn, theirs).await?;
         Ok::<(), AgentError>(())
     }

@@ -35,11 +35,20 @@ pub(crate) struct Peer {
 /// A peer's connections by rail: those this agent set up (outbound) and those the peer set up
 /// to us (inbound). Transfers use the outbound one, else the inbound one. Kept apart so that
 /// two agents connecting to each other at once never replace (and flush) each other's
-/// connection.
+/// connection. Each records the peer's incarnation (metadata generation) it was made with, so
+/// that a re-joined peer's old connections are closed and its new ones kept, whichever of its
+/// new metadata and its first connection arrives first.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Conns {
-    outbound: Vec<Option<ConnId>>,
-    inbound: Vec<Option<ConnId>>,
+    outbound: Vec<Option<Slot>>,
+    inbound: Vec<Option<Slot>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Slot {
+    conn: ConnId,
+    /// The peer's generation when it was made (0: unknown).
+    generation: u64,
 }
 
 /// Which of a peer's connections.
@@ -52,7 +61,7 @@ pub(crate) enum Direction {
 }
 
 impl Conns {
-    fn side(&mut self, dir: Direction) -> &mut Vec<Option<ConnId>> {
+    fn side(&mut self, dir: Direction) -> &mut Vec<Option<Slot>> {
         match dir {
             Direction::Outbound => &mut self.outbound,
             Direction::Inbound => &mut self.inbound,
@@ -61,24 +70,31 @@ impl Conns {
 
     /// The connection transfers on `rail` use.
     pub fn get(&self, rail: usize) -> Option<ConnId> {
-        let at = |v: &Vec<Option<ConnId>>| v.get(rail).copied().flatten();
+        let at = |v: &Vec<Option<Slot>>| v.get(rail).copied().flatten().map(|s| s.conn);
         at(&self.outbound).or_else(|| at(&self.inbound))
     }
 
-    /// Records `conn` on `rail`; returns the one of that direction it replaces.
-    pub fn set(&mut self, dir: Direction, rail: usize, conn: ConnId) -> Option<ConnId> {
+    /// Records `conn`, made with the peer's incarnation `generation`, on `rail`; returns the one
+    /// of that direction it replaces.
+    pub fn set(
+        &mut self,
+        dir: Direction,
+        rail: usize,
+        conn: ConnId,
+        generation: u64,
+    ) -> Option<ConnId> {
         let v = self.side(dir);
         if v.len() <= rail {
             v.resize(rail + 1, None);
         }
-        v[rail].replace(conn)
+        v[rail].replace(Slot { conn, generation }).map(|s| s.conn)
     }
 
     /// Removes `conn` from `rail` (either direction); whether it was there.
     pub fn remove(&mut self, rail: usize, conn: ConnId) -> bool {
         for dir in [Direction::Outbound, Direction::Inbound] {
             if let Some(slot) = self.side(dir).get_mut(rail) {
-                if *slot == Some(conn) {
+                if slot.is_some_and(|s| s.conn == conn) {
                     *slot = None;
                     return true;
                 }
@@ -87,17 +103,23 @@ impl Conns {
         false
     }
 
-    /// Every connection, with its rail, removed.
-    fn take(&mut self) -> Vec<(usize, ConnId)> {
+    /// Every connection not made with incarnation `generation` (all of them with `None`),
+    /// with its rail, removed.
+    fn take_except(&mut self, generation: Option<u64>) -> Vec<(usize, ConnId)> {
         let mut all = Vec::new();
         for v in [&mut self.outbound, &mut self.inbound] {
-            all.extend(
-                v.drain(..)
-                    .enumerate()
-                    .filter_map(|(rail, c)| c.map(|c| (rail, c))),
-            );
+            for (rail, slot) in v.iter_mut().enumerate() {
+                if slot.is_some_and(|s| Some(s.generation) != generation) {
+                    all.extend(slot.take().map(|s| (rail, s.conn)));
+                }
+            }
         }
         all
+    }
+
+    /// Every connection, with its rail, removed.
+    fn take(&mut self) -> Vec<(usize, ConnId)> {
+        self.take_except(None)
     }
 
     /// How many there are.
@@ -482,7 +504,13 @@ impl Inner {
                 _ => md,
             };
             let mut p = old.with_metadata(md);
-            let stale = if rejoined { p.conns.take() } else { Vec::new() };
+            // The old incarnation's connections; one the new incarnation already made to us
+            // (its CONNECT may come before its metadata) is kept.
+            let stale = if rejoined {
+                p.conns.take_except(p.generation())
+            } else {
+                Vec::new()
+            };
             peers.insert(name.clone(), Arc::new(p));
             (stale, rejoined)
         });
@@ -553,17 +581,20 @@ impl Inner {
             .map_or(1, |m| usize::from(m.rails.max(1)))
     }
 
-    /// Records `conn` as the `dir` connection to `peer` on `rail`; returns the one it replaces.
+    /// Records `conn` as the `dir` connection to `peer` on `rail`, made with the peer's
+    /// incarnation `generation` (`None`: the one loaded now); returns the one it replaces.
     pub(crate) fn set_conn(
         &self,
         peer: &str,
         dir: Direction,
         rail: usize,
         conn: ConnId,
+        generation: Option<u64>,
     ) -> Option<ConnId> {
         self.peers.update(|peers| {
             let mut p = peers.get(peer).map(|p| Peer::clone(p)).unwrap_or_default();
-            let old = p.conns.set(dir, rail, conn);
+            let generation = generation.or(p.generation()).unwrap_or(0);
+            let old = p.conns.set(dir, rail, conn, generation);
             peers.insert(peer.to_string(), Arc::new(p));
             old
         })
@@ -598,19 +629,19 @@ mod tests {
     fn transfers_use_the_outbound_connection_else_the_inbound_one_and_removal_is_by_id() {
         let mut c = Conns::default();
         assert_eq!(c.get(0), None);
-        assert_eq!(c.set(Direction::Inbound, 0, ConnId(7)), None);
+        assert_eq!(c.set(Direction::Inbound, 0, ConnId(7), 1), None);
         assert_eq!(
             c.get(0),
             Some(ConnId(7)),
             "the peer's connection serves us too"
         );
-        assert_eq!(c.set(Direction::Outbound, 0, ConnId(3)), None);
+        assert_eq!(c.set(Direction::Outbound, 0, ConnId(3), 1), None);
         assert_eq!(c.get(0), Some(ConnId(3)), "ours first");
-        assert_eq!(c.set(Direction::Inbound, 2, ConnId(9)), None);
+        assert_eq!(c.set(Direction::Inbound, 2, ConnId(9), 1), None);
         assert_eq!((c.get(1), c.get(2)), (None, Some(ConnId(9))));
         assert_eq!(c.len(), 3);
         // A new inbound connection replaces only the peer's earlier one.
-        assert_eq!(c.set(Direction::Inbound, 0, ConnId(8)), Some(ConnId(7)));
+        assert_eq!(c.set(Direction::Inbound, 0, ConnId(8), 1), Some(ConnId(7)));
         assert_eq!(c.get(0), Some(ConnId(3)));
         // Removal names the connection: a stale id removes nothing.
         assert!(!c.remove(0, ConnId(7)));
@@ -620,5 +651,18 @@ mod tests {
         all.sort_by_key(|&(rail, conn)| (rail, conn.0));
         assert_eq!(all, vec![(0, ConnId(8)), (2, ConnId(9))]);
         assert_eq!(c.len(), 0);
+    }
+
+    #[test]
+    fn a_rejoined_peer_loses_its_old_incarnations_connections_and_keeps_its_new_ones() {
+        let mut c = Conns::default();
+        c.set(Direction::Outbound, 0, ConnId(1), 10);
+        c.set(Direction::Inbound, 1, ConnId(2), 10);
+        // The new incarnation (generation 11) connected to us before its metadata arrived.
+        c.set(Direction::Inbound, 0, ConnId(3), 11);
+        let mut stale = c.take_except(Some(11));
+        stale.sort_by_key(|&(rail, conn)| (rail, conn.0));
+        assert_eq!(stale, vec![(0, ConnId(1)), (1, ConnId(2))]);
+        assert_eq!((c.get(0), c.len()), (Some(ConnId(3)), 1));
     }
 }

@@ -1,6 +1,8 @@
 //! The TCP side channel: a peer fetches our metadata (scoped for it) and sets up its connection.
-//! Text lines: `MD <requester>` → hex metadata; `CONNECT <requester> <endpoint hex> [rail]` →
-//! our endpoint hex (or `ERR <reason>`); without a rail, rail 0.
+//! Text lines: `MD <requester>` → hex metadata; `CONNECT <requester> <endpoint hex> [rail
+//! [generation]]` → our endpoint hex (or `ERR <reason>`); without a rail, rail 0; the
+//! requester's generation (its incarnation) tags the connection, so that when its new metadata
+//! arrives later only its old incarnation's connections are closed.
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
@@ -113,18 +115,20 @@ fn serve(inner: &Arc<Inner>, stream: TcpStream) -> Result<(), AgentError> {
     let f: Vec<&str> = line.split(' ').collect();
     let reply = match f.as_slice() {
         ["MD", requester] => hex::encode(inner.metadata_for(requester).encode()?),
-        ["CONNECT", requester, ep] => match accept_connection(inner, requester, ep, 0) {
-            Ok(mine) => hex::encode(mine.to_bytes()),
-            Err(e) => format!("ERR {e}"),
-        },
-        ["CONNECT", requester, ep, rail] => match rail
-            .parse::<usize>()
-            .map_err(|_| AgentError::SideChannel("bad rail".into()))
-            .and_then(|rail| accept_connection(inner, requester, ep, rail))
-        {
-            Ok(mine) => hex::encode(mine.to_bytes()),
-            Err(e) => format!("ERR {e}"),
-        },
+        ["CONNECT", requester, ep, rest @ ..] if rest.len() <= 2 => {
+            // Optional rail (default 0) and the requester's incarnation (default unknown).
+            let rail = rest.first().map_or(Ok(0), |r| r.parse::<usize>());
+            let generation = rest.get(1).map(|g| g.parse::<u64>());
+            match (rail, generation.transpose()) {
+                (Ok(rail), Ok(generation)) => {
+                    match accept_connection(inner, requester, ep, rail, generation) {
+                        Ok(mine) => hex::encode(mine.to_bytes()),
+                        Err(e) => format!("ERR {e}"),
+                    }
+                }
+                _ => "ERR bad rail or generation".into(),
+            }
+        }
         _ => "ERR unknown request".into(),
     };
     writeln!(w, "{reply}").map_err(sc)
@@ -137,6 +141,7 @@ fn accept_connection(
     requester: &str,
     ep: &str,
     rail: usize,
+    generation: Option<u64>,
 ) -> Result<Endpoint, AgentError> {
     if rail >= inner.rails.len() {
         return Err(AgentError::SideChannel(format!("no rail {rail} here")));
@@ -147,7 +152,7 @@ fn accept_connection(
     block_on(engine.complete_connection(conn, theirs))?;
     // The requester connects only when it has no connection on this rail: one it made to us
     // before is gone on its side.
-    if let Some(old) = inner.set_conn(requester, Direction::Inbound, rail, conn) {
+    if let Some(old) = inner.set_conn(requester, Direction::Inbound, rail, conn, generation) {
         block_on(engine.close_connection(old));
     }
     if rail == 0 {
@@ -167,13 +172,18 @@ pub(super) fn fetch_metadata(
 
 /// Asks `addr`'s agent for a connection on `rail` to our endpoint `mine`; returns its endpoint.
 pub(super) fn request_connection(
-    me: &str,
+    me: &Inner,
     addr: &str,
     rail: usize,
     mine: &Endpoint,
     deadline: Instant,
 ) -> Result<Endpoint, AgentError> {
-    let request = format!("CONNECT {me} {} {rail}", hex::encode(mine.to_bytes()));
+    let request = format!(
+        "CONNECT {} {} {rail} {}",
+        me.name,
+        hex::encode(mine.to_bytes()),
+        me.generation
+    );
     let line = exchange(addr, &request, deadline)?;
     Endpoint::from_bytes(&decode_hex(&line)?).map_err(sc)
 }
