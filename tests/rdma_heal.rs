@@ -59,10 +59,18 @@ fn scattered(
 
 #[test]
 fn first_wave_32_tasks_to_a_just_loaded_peer_share_one_setup_per_side_and_all_land() {
-    let Some(a) = require_or_skip("first_wave", || Agent::new("wave-a", fast_failing(0))) else {
+    // The default transport timeouts: a loaded first wave on emulated rxe can take longer than
+    // the fast-failing ones between retransmissions.
+    let plain = |cpu: usize| {
+        init_logs();
+        let mut cfg = AgentConfig::default();
+        cfg.cpu = cpu % rixl::runtime::available_cpus().len();
+        cfg
+    };
+    let Some(a) = require_or_skip("first_wave", || Agent::new("wave-a", plain(0))) else {
         return;
     };
-    let b = Agent::new("wave-b", fast_failing(1)).expect("second agent");
+    let b = Agent::new("wave-b", plain(1)).expect("second agent");
     a.listen("127.0.0.1:0").expect("listen a");
     b.listen("127.0.0.1:0").expect("listen b");
     const BLOCK: u64 = 4096;

@@ -29,8 +29,8 @@ use futures_lite::StreamExt;
 use super::snapshot::lock;
 use super::{sidechannel, Agent, AgentError, Inner};
 
-/// How long the first join may take.
-const JOIN_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long the first join may take (members are tried in turn until then).
+const JOIN_TIMEOUT: Duration = Duration::from_secs(15);
 /// The longest wait between two reconnection attempts while etcd is away.
 const RETRY_MAX: Duration = Duration::from_secs(2);
 /// How long a departed peer's side channel gets to prove it is alive.
@@ -157,7 +157,8 @@ pub(super) fn join(
             let _ = done_tx.send(());
         })
         .map_err(AgentError::ControlThread)?;
-    match first_rx.recv_timeout(JOIN_TIMEOUT) {
+    // The last attempt may start just before JOIN_TIMEOUT: give it its request timeout too.
+    match first_rx.recv_timeout(JOIN_TIMEOUT + Duration::from_secs(8)) {
         Ok(Ok(())) => {}
         Ok(Err(e)) => {
             let _ = stop_tx.send(true);
@@ -165,7 +166,9 @@ pub(super) fn join(
         }
         Err(_) => {
             let _ = stop_tx.send(true);
-            return Err(AgentError::EtcdTimeout(JOIN_TIMEOUT));
+            return Err(AgentError::EtcdTimeout(
+                JOIN_TIMEOUT + Duration::from_secs(8),
+            ));
         }
     }
     let old = lock(&inner.membership).replace(Membership {
@@ -196,6 +199,7 @@ async fn run(
     // dead member would fail even though the cluster is healthy.
     let mut next = 0;
     let mut failed_in_row = 0;
+    let started = Instant::now();
     loop {
         let endpoint = &endpoints[next % endpoints.len()];
         next += 1;
@@ -227,13 +231,19 @@ async fn run(
             End::Failed(e) => {
                 failed_in_row += 1;
                 if first.is_some() {
-                    if failed_in_row >= endpoints.len() {
+                    // The first join tries the members in turn (a member just started may not
+                    // serve yet) until its time is up.
+                    if started.elapsed() >= JOIN_TIMEOUT {
                         if let Some(f) = first.take() {
                             let _ = f.send(Err(e));
                         }
                         return;
                     }
-                    // The first join tries every member before it gives up.
+                    tracing::debug!(agent = %agent.inner.name, %endpoint, error = %e, "etcd: joining, trying again");
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+                        _ = stop.changed() => return,
+                    }
                     continue;
                 }
                 Counters::bump(&counters.outages);

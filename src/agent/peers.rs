@@ -358,8 +358,9 @@ impl Agent {
     /// in `docs/reliability.md`. [`Self::shutdown`] revokes the lease.
     ///
     /// # Errors
-    /// [`AgentError::Etcd`] if etcd refuses the first join, [`AgentError::EtcdTimeout`] if it
-    /// cannot be reached within 10 s, [`AgentError::InvalidEtcdEndpoints`].
+    /// [`AgentError::Etcd`] with the last error if no member accepts the first join within
+    /// 15 s (members are tried in turn), [`AgentError::EtcdTimeout`] if the control thread does
+    /// not answer, [`AgentError::InvalidEtcdEndpoints`].
     pub fn join_etcd(
         &self,
         endpoints: &str,
