@@ -164,6 +164,14 @@ fn etcd_cluster_member_killed_and_restarted_while_agents_churn_changes_nothing_b
         || user.peers().contains(&"exporter".to_string()),
     );
     let dst = block_on(user.register(LEN, Visibility::All)).expect("dst");
+    // Connected before the load starts, as a serving engine warms up (NIXL's makeConnection):
+    // a set-up while three etcd members boot in the emulated guest has taken longer than one
+    // 5 s deadline; it is retried here, typed each time.
+    let t0 = Instant::now();
+    while let Err(e) = block_on(user.connect("exporter")) {
+        assert!(t0.elapsed() < Duration::from_secs(30), "connect: {e}");
+        report(&format!("connect to the exporter: {e}; again"));
+    }
     // Verified transfers all the time, from the moment the user knows the exporter.
     let stop = AtomicBool::new(false);
     // Stops the transfer thread even when an assertion below fails (the scope would wait).
