@@ -7,12 +7,12 @@
 //! spread in the samples to separate the terms it falls back to fewer terms (bytes only, then
 //! the mean rate).
 //!
-//! Slow outliers are clipped before they are learned (winsorised): once the model gives
-//! estimates, a sample is taken as at most [`CLIP`]× its estimate. A stall of the host or a
-//! retransmission then moves the fit by a bounded step instead of dragging it by the stall's
-//! whole length, while a link that really gets slower is still followed, a bounded step per
-//! sample. Noise on a link only ever adds time, so fast samples are learned whole: the slow
-//! first transfers of a fresh connection are forgotten as soon as the warm ones arrive.
+//! Slow outliers are not learned as they are: once the model gives estimates, a sample over
+//! [`CLIP`]× its estimate is dropped, unless [`PERSIST`] such samples came in a row (then the
+//! link really got slower and the sample is learned, clipped to [`CLIP`]× the estimate, a
+//! bounded step each). A stall of the host or a retransmission then leaves the fit alone. Noise
+//! on a link only ever adds time, so fast samples are learned whole: the slow first transfers of
+//! a fresh connection are forgotten as soon as the warm ones arrive.
 
 use std::time::Duration;
 
@@ -21,7 +21,9 @@ const DECAY: f64 = 0.97;
 /// Samples before an estimate is given.
 pub(crate) const MIN_SAMPLES: u64 = 4;
 /// The most a sample may exceed the current estimate, as a factor, when it is learned.
-const CLIP: f64 = 3.0;
+const CLIP: f64 = 2.0;
+/// Slow samples in a row after which they are learned (clipped): the link changed.
+const PERSIST: u32 = 4;
 
 /// One peer's model.
 #[derive(Debug, Clone, Default)]
@@ -34,6 +36,8 @@ pub(crate) struct RateModel {
     /// Decayed sums of time and bytes (the mean-rate fallback).
     time: f64,
     bytes: f64,
+    /// Samples over `CLIP`x their estimate, in a row.
+    slow_streak: u32,
 }
 
 impl RateModel {
@@ -45,8 +49,14 @@ impl RateModel {
         }
         if self.samples >= 2 * MIN_SAMPLES {
             if let Some(e) = self.estimate(bytes, requests).map(|e| e.as_secs_f64()) {
-                if e > 0.0 {
-                    t = t.min(e * CLIP);
+                if e > 0.0 && t > e * CLIP {
+                    self.slow_streak += 1;
+                    if self.slow_streak < PERSIST {
+                        return;
+                    }
+                    t = e * CLIP;
+                } else {
+                    self.slow_streak = 0;
                 }
             }
         }
