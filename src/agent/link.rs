@@ -160,7 +160,12 @@ pub(crate) async fn ensure(
                     st.connecting = Some(vec![tx]);
                     let refetch = std::mem::take(&mut st.refetch);
                     inner.links.setups.fetch_add(1, Ordering::Relaxed);
-                    spawn_setup(inner, key.clone(), refetch);
+                    if let Err(e) = spawn_setup(inner, key.clone(), refetch) {
+                        // No set-up runs: nobody else waits yet (this caller made the entry).
+                        st.connecting = None;
+                        st.refetch |= refetch;
+                        return Err(AgentError::ControlThread(e));
+                    }
                     Step::Wait(rx)
                 }
             }
@@ -217,7 +222,10 @@ fn current(inner: &Inner, peer: &str, rail: usize) -> Result<Option<ConnId>, Age
 }
 
 /// Runs one set-up on a control thread and hands its outcome to every waiter.
-fn spawn_setup(inner: &Arc<Inner>, key: LinkKey, refetch: bool) {
+///
+/// # Errors
+/// The thread could not be started.
+fn spawn_setup(inner: &Arc<Inner>, key: LinkKey, refetch: bool) -> std::io::Result<()> {
     let inner = Arc::clone(inner);
     let spawned = std::thread::Builder::new()
         .name(format!("rixl-connect-{}", key.rail))
@@ -228,9 +236,7 @@ fn spawn_setup(inner: &Arc<Inner>, key: LinkKey, refetch: bool) {
             tracing::debug!(peer = %key.peer, rail = key.rail, refetch, ok = r.is_ok(), took = ?t0.elapsed(), "set-up ended");
             finish(&inner, &key, r);
         });
-    if let Err(e) = spawned {
-        tracing::warn!(error = %e, "cannot start a connection set-up thread");
-    }
+    spawned.map(drop)
 }
 
 /// Records a set-up's outcome (the connection is published before any waiter wakes).
