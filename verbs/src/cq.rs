@@ -177,26 +177,8 @@ impl CompletionQueue {
         })?;
         // SAFETY: the channel is live.
         let fd: RawFd = unsafe { (*chan.raw.as_ptr()).fd };
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ms = timeout.map_or(-1, |t| i32::try_from(t.as_millis()).unwrap_or(i32::MAX));
-        loop {
-            // SAFETY: `pfd` is one valid pollfd.
-            let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
-            if rc < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(Error::WaitEvent(e));
-            }
-            if rc == 0 {
-                return Err(Error::Timeout);
-            }
-            break;
+        if !crate::event::wait_readable(fd, timeout)? {
+            return Err(Error::Timeout);
         }
         let mut cq: *mut sys::ibv_cq = std::ptr::null_mut();
         let mut ctx: *mut std::ffi::c_void = std::ptr::null_mut();

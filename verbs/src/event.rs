@@ -57,26 +57,8 @@ impl Context {
     pub fn next_async_event(&self, timeout: Duration) -> Result<Option<AsyncEvent>> {
         // SAFETY: the context is open while `self` lives; its async fd stays open with it.
         let fd: RawFd = unsafe { (*self.as_raw()).async_fd };
-        let mut pfd = libc::pollfd {
-            fd,
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        let ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
-        loop {
-            // SAFETY: `pfd` is one valid pollfd.
-            let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
-            if rc < 0 {
-                let e = std::io::Error::last_os_error();
-                if e.kind() == std::io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(Error::WaitEvent(e));
-            }
-            if rc == 0 {
-                return Ok(None);
-            }
-            break;
+        if !wait_readable(fd, Some(timeout))? {
+            return Ok(None);
         }
         let mut ev = std::mem::MaybeUninit::<sys::ibv_async_event>::zeroed();
         // SAFETY: the fd is readable, so this does not block; `ev` is a valid out-pointer.
@@ -114,5 +96,30 @@ impl Context {
         // SAFETY: `ev` was returned by `ibv_get_async_event` and is acknowledged once.
         unsafe { sys::ibv_ack_async_event(&mut ev) };
         Ok(Some(event))
+    }
+}
+
+/// Waits until `fd` is readable, up to `timeout` (forever with `None`), retrying on `EINTR`;
+/// whether it became readable (false: the time ran out).
+///
+/// # Errors
+/// [`Error::WaitEvent`] if `poll(2)` fails.
+pub(crate) fn wait_readable(fd: RawFd, timeout: Option<Duration>) -> Result<bool> {
+    let mut pfd = libc::pollfd {
+        fd,
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    let ms = timeout.map_or(-1, |t| i32::try_from(t.as_millis()).unwrap_or(i32::MAX));
+    loop {
+        // SAFETY: `pfd` is one valid pollfd.
+        let rc = unsafe { libc::poll(&mut pfd, 1, ms) };
+        if rc >= 0 {
+            return Ok(rc > 0);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(Error::WaitEvent(e));
+        }
     }
 }
