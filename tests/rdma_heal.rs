@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use futures_lite::future::block_on;
 use rixl::agent::{Agent, AgentConfig, AgentError, CallOptions, RemoteRef, Visibility};
 use rixl::runtime::{LocalDescList, TransferError};
-use rixl_testkit::{fill, init_logs, pattern, peer_control, report, require_or_skip, spawn_peer};
+use rixl_testkit::{
+    init_logs, pattern, patterned, peer_control, report, require_or_skip, spawn_peer,
+};
 
 /// Fast failure detection: 4.096 µs × 2^12 ≈ 17 ms per transport retry, 3 retries.
 fn fast_failing(cpu: usize) -> AgentConfig {
@@ -26,12 +28,6 @@ fn fast_failing(cpu: usize) -> AgentConfig {
 fn contents(reg: &rixl::agent::Registration) -> Vec<u8> {
     let mut v = vec![0u8; reg.region().len() as usize];
     reg.region().read_at(0, &mut v).expect("read back");
-    v
-}
-
-fn patterned(len: usize, seed: u64) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    fill(&mut v, seed);
     v
 }
 

@@ -14,7 +14,7 @@ use rixl::agent::{
 use rixl::runtime::{LocalDescList, Op, TransferError};
 use rixl::verbs::memmap2::{MmapMut, MmapOptions};
 use rixl::verbs::HostBuffer;
-use rixl_testkit::{example, fill, report, require_or_skip};
+use rixl_testkit::{example, patterned, report, require_or_skip};
 
 /// Two agents in one process: `owner` exports memory, `user` (on the other core) loaded its
 /// metadata over the side channel.
@@ -88,12 +88,6 @@ fn head(reg: &rixl::agent::Registration, len: u64) -> LocalDescList {
 fn contents(reg: &rixl::agent::Registration) -> Vec<u8> {
     let mut v = vec![0u8; reg.region().len() as usize];
     reg.region().read_at(0, &mut v).expect("read back");
-    v
-}
-
-fn patterned(len: usize, seed: u64) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    fill(&mut v, seed);
     v
 }
 

@@ -136,6 +136,13 @@ pub fn fill(buf: &mut [u8], seed: u64) {
     fill_from(buf, seed, 0);
 }
 
+/// `len` bytes of the pattern of `seed`.
+pub fn patterned(len: usize, seed: u64) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    fill(&mut v, seed);
+    v
+}
+
 /// An example binary of the workspace, built next to the test binaries
 /// (`target/<profile>/examples/<name>`).
 ///
