@@ -708,3 +708,234 @@ fn async_event_port_down_fails_transfers_at_once_and_connections_heal_when_it_is
     user.shutdown();
     owner.shutdown();
 }
+
+/// One task's outcomes in [`parallel_reads`]: each transfer's result and how long it took.
+type Outcomes = Vec<(Result<(), AgentError>, Duration)>;
+
+/// Parallel verified READs of an owner's region: `tasks` threads, each reading its own
+/// `PEER_LEN / tasks` slice of the region into the same slice of `dst`, checking every byte of
+/// the slice after each read that succeeds (the region holds pattern `seed`).
+struct ParallelReads<'a> {
+    user: &'a Agent,
+    peer: &'a str,
+    dst: &'a rixl::agent::Registration,
+    region: u64,
+    seed: u64,
+    tasks: usize,
+    opts: CallOptions,
+}
+
+impl ParallelReads<'_> {
+    /// `rounds` reads per thread: every transfer's outcome.
+    fn run(&self, rounds: usize) -> Outcomes {
+        let ParallelReads {
+            user,
+            peer,
+            dst,
+            region,
+            seed,
+            tasks,
+            ref opts,
+        } = *self;
+        let slice = PEER_LEN / tasks;
+        let want = patterned(PEER_LEN, seed);
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..tasks)
+                .map(|t| {
+                    let want = &want[t * slice..(t + 1) * slice];
+                    s.spawn(move || {
+                        let mut out = Vec::new();
+                        for _ in 0..rounds {
+                            let mut l = LocalDescList::new();
+                            l.push(dst.region(), (t * slice) as u64, slice as u64);
+                            let r = [RemoteRef {
+                                region,
+                                offset: (t * slice) as u64,
+                                len: slice as u64,
+                            }];
+                            let t0 = Instant::now();
+                            let res = block_on(user.transfer_with(
+                                peer,
+                                rixl::runtime::Op::Read,
+                                &l,
+                                &r,
+                                opts.clone(),
+                            ));
+                            let took = t0.elapsed();
+                            if res.is_ok() {
+                                let mut got = vec![0u8; slice];
+                                dst.region().read_at((t * slice) as u64, &mut got).unwrap();
+                                assert!(
+                                    got == want,
+                                    "task {t}: a successful read left wrong bytes"
+                                );
+                            }
+                            out.push((res.map(|_| ()), took));
+                        }
+                        out
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap())
+                .collect()
+        })
+    }
+}
+
+fn is_engine_panic(e: &AgentError) -> bool {
+    matches!(e.transfer_error(), Some(TransferError::EnginePanic(_)))
+}
+
+/// Waits until no slot of the user's engines is in flight (abandoned transfers drained).
+fn drained(user: &Agent) -> bool {
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(5) {
+        if block_on(user.rail_inflight()).iter().all(|&n| n == 0) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+#[test]
+fn supervise_an_injected_panic_fails_only_what_its_task_owned_and_the_engine_carries_on() {
+    if !cfg!(feature = "failpoints") {
+        eprintln!("SKIPPED supervise_: needs the fail points (cargo test --features failpoints; scripts/rdma-suite builds with them)");
+        return;
+    }
+    let Some(user) = require_or_skip("supervise", || {
+        Agent::new("supervise-user", fast_failing(0))
+    }) else {
+        return;
+    };
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    // The owner is another process: the fail points below fire in this process's engine only.
+    let mut owner = spawn_owner(port, 51);
+    let peer = user
+        .fetch_remote_metadata(&format!("127.0.0.1:{port}"))
+        .expect("fetch");
+    let dst = block_on(user.register(PEER_LEN, Visibility::All)).expect("dst");
+    let canary = block_on(user.register(1 << 20, Visibility::All)).expect("canary");
+    canary
+        .region()
+        .write_at(0, &patterned(1 << 20, 97))
+        .unwrap();
+    let deadline = Duration::from_secs(3);
+    let opts = CallOptions::new().timeout(deadline);
+    let rounds = 10;
+    let reads = ParallelReads {
+        user: &user,
+        peer: &peer,
+        dst: &dst,
+        region: owner.region,
+        seed: 51,
+        tasks: 8,
+        opts: opts.clone(),
+    };
+    let in_time = |o: &Outcomes| {
+        o.iter()
+            .all(|(_, took)| *took < deadline + Duration::from_secs(1))
+    };
+
+    // 1. A panic in one transfer's task, after it posted its work: that transfer alone fails,
+    //    typed; its connection stays (no set-up, nothing retired), the engine carries on.
+    fail::cfg("rixl-transfer-posted", "1*panic").expect("fail point");
+    let first = reads.run(rounds);
+    fail::remove("rixl-transfer-posted");
+    let failed: Vec<_> = first.iter().filter_map(|(r, _)| r.as_ref().err()).collect();
+    assert_eq!(
+        failed.len(),
+        1,
+        "exactly the panicked transfer failed: {failed:?}"
+    );
+    assert!(is_engine_panic(failed[0]), "typed: {:?}", failed[0]);
+    assert!(
+        in_time(&first),
+        "every transfer ended within its deadline + 1 s"
+    );
+    assert!(
+        drained(&user),
+        "the panicked transfer's posted work drained"
+    );
+    let c = block_on(user.rail_counters())[0];
+    assert_eq!((c.task_panics, c.progress_restarts), (1, 0), "{c:?}");
+    let l = user.link_counters();
+    assert_eq!(
+        (l.setups, l.retired),
+        (1, 0),
+        "the connection was kept: {l:?}"
+    );
+    report(&format!(
+        "panic in a transfer task: {} of {} transfers failed ({}), engine {c:?}",
+        failed.len(),
+        first.len(),
+        failed[0]
+    ));
+
+    // 2. A panic in the progress task: every connection of the engine fails, its transfers end
+    //    typed within their deadlines, the task restarts, and the next transfers heal (a new
+    //    connection, with no call from the application).
+    let second = std::thread::scope(|s| {
+        let running = s.spawn(|| reads.run(4 * rounds));
+        // While the reads run: the progress task panics at its next turn.
+        std::thread::sleep(Duration::from_millis(300));
+        fail::cfg("rixl-progress", "1*panic").expect("fail point");
+        running.join().unwrap()
+    });
+    fail::remove("rixl-progress");
+    let mut kinds = std::collections::BTreeMap::new();
+    for (r, _) in &second {
+        let kind = match r {
+            Ok(()) => "ok".to_string(),
+            Err(e) if is_engine_panic(e) => "engine panic".to_string(),
+            Err(e) => match e.transfer_error() {
+                Some(TransferError::Flushed) => "flushed".to_string(),
+                Some(TransferError::Connection(..)) => "connection failed".to_string(),
+                _ => match e {
+                    AgentError::ConnectFailed { .. }
+                    | AgentError::Unreachable { .. }
+                    | AgentError::ConnectTimeout { .. } => "reconnecting".to_string(),
+                    other => panic!("untyped outcome after a progress panic: {other:?}"),
+                },
+            },
+        };
+        *kinds.entry(kind).or_insert(0u32) += 1;
+    }
+    assert!(
+        in_time(&second),
+        "every transfer ended within its deadline + 1 s: {kinds:?}"
+    );
+    let c = block_on(user.rail_counters())[0];
+    assert_eq!(c.progress_restarts, 1, "the fail point fired once: {c:?}");
+    // Healed: a whole round succeeds, on a replaced connection.
+    let third = reads.run(2);
+    assert!(third.iter().all(|(r, _)| r.is_ok()), "healed: {:?}", third);
+    let l = user.link_counters();
+    assert!(
+        l.retired >= 1 && l.setups >= 2,
+        "the failed connection was replaced: {l:?}"
+    );
+    assert!(drained(&user), "nothing left in flight");
+    let census = block_on(user.connection_census());
+    assert!(census.balanced(), "no queue pair leaked: {census:?}");
+    assert_eq!(
+        contents(&canary),
+        patterned(1 << 20, 97),
+        "no unrelated byte changed"
+    );
+    report(&format!(
+        "panic in the progress task: {kinds:?} of {} transfers, then {} of {} ok; {l:?}, {census:?}",
+        second.len(),
+        third.len(),
+        third.len()
+    ));
+    owner.ctl.send_str("quit");
+    assert!(owner.child.wait().expect("wait").success());
+    user.shutdown();
+}

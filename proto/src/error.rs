@@ -121,6 +121,12 @@ pub enum TransferError {
     /// The engine that owns the connection has shut down.
     #[error("the engine has shut down")]
     EngineGone,
+    /// A task on the engine's core panicked while it owned this transfer (the transfer's own
+    /// task, or the progress task, which fails every connection of its engine). The engine
+    /// carries on: posted work drains, the memory stays registered until it has, and the
+    /// next transfers run as usual (a failed connection is replaced).
+    #[error("a task on the engine's core panicked: {0}")]
+    EnginePanic(String),
     /// A FILE-tier transfer failed.
     #[error(transparent)]
     File(#[from] FileError),
@@ -293,4 +299,7 @@ pub enum FileError {
     /// The engine has no FILE tier (it shut down).
     #[error("the engine has shut down")]
     EngineGone,
+    /// The task serving this call on the engine's core panicked; the engine carries on.
+    #[error("a task on the engine's core panicked: {0}")]
+    EnginePanic(String),
 }

@@ -143,6 +143,20 @@ impl TransferFailure {
             },
         }
     }
+
+    /// A failure whose progress is unknown (the transfer's task panicked): none of
+    /// `descriptors` is known to have completed, and any may have been posted (posted work
+    /// drained before the memory was released).
+    pub fn unknown(error: crate::error::TransferError, descriptors: usize) -> Self {
+        TransferFailure {
+            error,
+            descriptors: DescriptorRanges {
+                completed: 0,
+                posted: descriptors,
+                total: descriptors,
+            },
+        }
+    }
 }
 
 /// Counters of one engine.
@@ -179,6 +193,12 @@ pub struct EngineCounters {
     pub async_events: u64,
     /// Connections failed by an async event.
     pub event_failures: u64,
+    /// Tasks on the engine's core that panicked and were contained (each failed only what it
+    /// owned; the engine carried on).
+    pub task_panics: u64,
+    /// Times the progress task panicked and was restarted (each failed every connection of
+    /// the engine, which are replaced on the next transfers).
+    pub progress_restarts: u64,
 }
 
 /// A message received on a connection.

@@ -39,6 +39,9 @@ pub enum RuntimeError {
     /// The engine that owns the resource has shut down.
     #[error("the engine has shut down")]
     EngineGone,
+    /// The task serving this call on the engine's core panicked; the engine carries on.
+    #[error("a task on the engine's core panicked: {0}")]
+    EnginePanic(String),
     /// A FILE-tier registration failed.
     #[error(transparent)]
     File(#[from] FileError),

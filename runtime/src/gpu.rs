@@ -38,10 +38,9 @@ pub async fn wait_copy_for(mut copy: PendingCopy, timeout: Duration) -> Result<(
         // The clock is read at the first wait, then every few polls.
         if (polls == 1 || polls.is_multiple_of(POLLS_PER_CLOCK_READ)) && Instant::now() >= deadline
         {
-            glommio::spawn_local(async move {
+            crate::supervise::spawn("device copy wait", async move {
                 let _ = wait_copy(copy).await;
-            })
-            .detach();
+            });
             return Err(IpcError::Timeout(timeout));
         }
         futures_lite::future::yield_now().await;

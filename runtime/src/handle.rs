@@ -17,6 +17,7 @@ use crate::engine::{
 };
 use crate::error::{RuntimeError, TransferError};
 use crate::file::{FileCounters, FileDesc, FileError, FileId, FileInfo, FileSpec, FileStore};
+use crate::supervise;
 use rixl_proto::TransferFailure;
 
 pub use rixl_nvlink::ipc::DeviceCopy;
@@ -46,6 +47,65 @@ enum Command {
     Shutdown(oneshot::Sender<()>),
 }
 
+/// Why a job on a core gave no output.
+#[derive(Debug)]
+enum Lost {
+    /// The engine has shut down.
+    Gone,
+    /// The job panicked (its message).
+    Panicked(String),
+}
+
+impl From<Lost> for TransferError {
+    fn from(l: Lost) -> Self {
+        match l {
+            Lost::Gone => TransferError::EngineGone,
+            Lost::Panicked(m) => TransferError::EnginePanic(m),
+        }
+    }
+}
+
+impl From<Lost> for RuntimeError {
+    fn from(l: Lost) -> Self {
+        match l {
+            Lost::Gone => RuntimeError::EngineGone,
+            Lost::Panicked(m) => RuntimeError::EnginePanic(m),
+        }
+    }
+}
+
+impl From<Lost> for FileError {
+    fn from(l: Lost) -> Self {
+        match l {
+            Lost::Gone => FileError::EngineGone,
+            Lost::Panicked(m) => FileError::EnginePanic(m),
+        }
+    }
+}
+
+/// The error a call returns for a lost job.
+fn lost<T, E: From<Lost>>(l: Lost) -> Result<T, E> {
+    Err(l.into())
+}
+
+/// A transfer's failure for a lost job: nothing posted if the engine was gone; unknown
+/// progress if its task panicked.
+fn lost_transfer(l: Lost, descriptors: usize) -> TransferFailure {
+    match l {
+        Lost::Gone => TransferFailure::before_posting(TransferError::EngineGone, descriptors),
+        Lost::Panicked(m) => TransferFailure::unknown(TransferError::EnginePanic(m), descriptors),
+    }
+}
+
+/// Logs and counts a job's contained panic.
+fn contained(engine: Option<&Engine>, p: supervise::Panicked) -> Lost {
+    tracing::error!(engine = engine.map(Engine::id), panic = %p.0, "a call's task panicked on its engine core; only its call failed");
+    if let Some(e) = engine {
+        e.note_task_panic();
+    }
+    Lost::Panicked(p.0)
+}
+
 /// A `Send + Clone` handle to an engine: any thread or task can submit work to the engine that
 /// owns the connection; each call's future resolves on the caller's side. Dropping a
 /// transfer's future cancels it on the core: requests not yet posted are never posted, posted
@@ -67,9 +127,10 @@ impl std::fmt::Debug for Command {
 }
 
 impl EngineHandle {
-    /// Runs `job` as a task on the engine's core and returns its output; `None` if the engine
-    /// is gone (the job, and what it owns, is dropped then).
-    async fn on_core<T, F, Fut>(&self, job: F) -> Option<T>
+    /// Runs `job` as a task on the engine's core and returns its output, or why there is none:
+    /// the engine is gone (the job, and what it owns, is dropped then) or the job panicked
+    /// (contained: see [`crate::supervise`]).
+    async fn on_core<T, F, Fut>(&self, job: F) -> Result<T, Lost>
     where
         T: Send + 'static,
         F: FnOnce(Served) -> Fut + Send + 'static,
@@ -77,13 +138,17 @@ impl EngineHandle {
     {
         let (reply, rx) = oneshot::channel();
         let run: Job = Box::new(move |served| {
+            let engine = served.engine.clone();
             glommio::spawn_local(async move {
-                let _ = reply.send(job(served).await);
+                let out = supervise::catching(async move { job(served).await }).await;
+                let _ = reply.send(out.map_err(|p| contained(engine.as_ref(), p)));
             })
             .detach();
         });
-        self.tx.unbounded_send(Command::Run(run)).ok()?;
-        rx.await.ok()
+        self.tx
+            .unbounded_send(Command::Run(run))
+            .map_err(|_| Lost::Gone)?;
+        rx.await.map_err(|_| Lost::Gone)?
     }
 
     /// As [`Self::on_core`], but the job is cancelled when the caller goes away first: once this
@@ -91,7 +156,7 @@ impl EngineHandle {
     /// slot is then detached: requests not yet posted never are, posted ones drain, and the
     /// in-flight table keeps the memory until they have). A job whose caller is already gone
     /// when it reaches the core never starts.
-    async fn on_core_or_cancel<T, F, Fut>(&self, job: F) -> Option<T>
+    async fn on_core_or_cancel<T, F, Fut>(&self, job: F) -> Result<T, Lost>
     where
         T: Send + 'static,
         F: FnOnce(Served) -> Fut + Send + 'static,
@@ -99,23 +164,32 @@ impl EngineHandle {
     {
         let (mut reply, rx) = oneshot::channel();
         let run: Job = Box::new(move |served| {
+            let engine = served.engine.clone();
             glommio::spawn_local(async move {
-                let out = futures_lite::future::or(
+                let out = supervise::catching(futures_lite::future::or(
                     async {
                         reply.cancellation().await;
                         None
                     },
                     async { Some(job(served).await) },
-                )
+                ))
                 .await;
-                if let Some(v) = out {
-                    let _ = reply.send(v);
+                match out {
+                    Ok(Some(v)) => {
+                        let _ = reply.send(Ok(v));
+                    }
+                    Ok(None) => {}
+                    Err(p) => {
+                        let _ = reply.send(Err(contained(engine.as_ref(), p)));
+                    }
                 }
             })
             .detach();
         });
-        self.tx.unbounded_send(Command::Run(run)).ok()?;
-        rx.await.ok()
+        self.tx
+            .unbounded_send(Command::Run(run))
+            .map_err(|_| Lost::Gone)?;
+        rx.await.map_err(|_| Lost::Gone)?
     }
 
     /// The engine's id.
@@ -131,11 +205,11 @@ impl EngineHandle {
     /// Opens and registers a file in this core's FILE tier; see [`FileStore::open`].
     ///
     /// # Errors
-    /// As [`FileStore::open`], or [`FileError::EngineGone`].
+    /// As [`FileStore::open`], [`FileError::EngineGone`] or [`FileError::EnginePanic`].
     pub async fn open_file(&self, spec: FileSpec) -> Result<FileInfo, FileError> {
         self.on_core(move |s| async move { s.files.open(&spec).await })
             .await
-            .unwrap_or(Err(FileError::EngineGone))
+            .unwrap_or_else(lost)
     }
 
     /// Forgets a file (closed once its in-flight I/Os are done).
@@ -148,7 +222,7 @@ impl EngineHandle {
     /// `None` uses the engine's `transfer_timeout`.
     ///
     /// # Errors
-    /// As [`FileStore::transfer`], or [`TransferError::EngineGone`].
+    /// As [`FileStore::transfer`], [`TransferError::EngineGone`] or [`TransferError::EnginePanic`].
     pub async fn file_transfer(
         &self,
         file: FileId,
@@ -162,7 +236,7 @@ impl EngineHandle {
             s.files.transfer(file, op, local, &descs, timeout).await
         })
         .await
-        .unwrap_or(Err(TransferError::EngineGone))
+        .unwrap_or_else(lost)
     }
 
     /// Enqueues `copies` on `stream` from the calling thread (CUDA streams may be used from any
@@ -183,9 +257,11 @@ impl EngineHandle {
         // waits for the GPU before their memory can go.
         self.on_core(move |s| crate::gpu::wait_copy_for(pending, s.cfg.transfer_timeout))
             .await
-            .unwrap_or(Err(rixl_nvlink::ipc::IpcError::Gpu(
-                rixl_gpudirect::Error::InvalidArgument("the engine has shut down".into()),
-            )))
+            .unwrap_or_else(|l| {
+                Err(rixl_nvlink::ipc::IpcError::Gpu(
+                    rixl_gpudirect::Error::InvalidArgument(RuntimeError::from(l).to_string()),
+                ))
+            })
     }
 
     /// The FILE tier's counters.
@@ -195,14 +271,14 @@ impl EngineHandle {
     pub async fn file_counters(&self) -> Result<FileCounters, RuntimeError> {
         self.on_core(|s| async move { s.files.counters() })
             .await
-            .ok_or(RuntimeError::EngineGone)
+            .map_err(RuntimeError::from)
     }
 
     /// See [`Engine::register`]; on a core without a NIC, host memory registered with nothing
     /// (for the FILE tier).
     ///
     /// # Errors
-    /// As [`Engine::register`], or [`RuntimeError::EngineGone`].
+    /// As [`Engine::register`], [`RuntimeError::EngineGone`] or [`RuntimeError::EnginePanic`].
     pub async fn register(&self, len: usize) -> Result<Region, RuntimeError> {
         self.on_core(move |s| async move {
             match s.engine {
@@ -215,29 +291,29 @@ impl EngineHandle {
             }
         })
         .await
-        .unwrap_or(Err(RuntimeError::EngineGone))
+        .unwrap_or_else(lost)
     }
 
     /// See [`Engine::register_shared`]; [`RuntimeError::NoNic`] on a core without a NIC.
     ///
     /// # Errors
-    /// As [`Engine::register_shared`], or [`RuntimeError::EngineGone`].
+    /// As [`Engine::register_shared`], [`RuntimeError::EngineGone`] or [`RuntimeError::EnginePanic`].
     pub async fn register_shared(&self, mem: Arc<HostBuffer>) -> Result<Region, RuntimeError> {
         self.on_core(
             move |s| async move { s.rdma(RuntimeError::NoNic)?.register_shared(mem).await },
         )
         .await
-        .unwrap_or(Err(RuntimeError::EngineGone))
+        .unwrap_or_else(lost)
     }
 
     /// See [`Engine::register_mr`]; [`RuntimeError::NoNic`] on a core without a NIC.
     ///
     /// # Errors
-    /// As [`Engine::register_mr`], or [`RuntimeError::EngineGone`].
+    /// As [`Engine::register_mr`], [`RuntimeError::EngineGone`] or [`RuntimeError::EnginePanic`].
     pub async fn register_mr(&self, mem: Arc<HostBuffer>) -> Result<SharedMr, RuntimeError> {
         self.on_core(move |s| async move { s.rdma(RuntimeError::NoNic)?.register_mr(mem).await })
             .await
-            .unwrap_or(Err(RuntimeError::EngineGone))
+            .unwrap_or_else(lost)
     }
 
     /// The caller's host memory as a region of this core registered with no NIC: what a core
@@ -250,7 +326,7 @@ impl EngineHandle {
     /// and copies; RDMA refuses it).
     ///
     /// # Errors
-    /// As [`Engine::register_gpu`], or [`RuntimeError::EngineGone`].
+    /// As [`Engine::register_gpu`], [`RuntimeError::EngineGone`] or [`RuntimeError::EnginePanic`].
     pub async fn register_gpu(&self, ordinal: i32, len: usize) -> Result<Region, RuntimeError> {
         self.on_core(move |s| async move {
             match s.engine {
@@ -266,14 +342,14 @@ impl EngineHandle {
             }
         })
         .await
-        .unwrap_or(Err(RuntimeError::EngineGone))
+        .unwrap_or_else(lost)
     }
 
     /// See [`Engine::register_device`]; on a core without a NIC, the memory as it is (for CUDA
     /// IPC and copies; RDMA refuses it).
     ///
     /// # Errors
-    /// As [`Engine::register_device`], or [`RuntimeError::EngineGone`].
+    /// As [`Engine::register_device`], [`RuntimeError::EngineGone`] or [`RuntimeError::EnginePanic`].
     pub async fn register_device(
         &self,
         mem: rixl_gpudirect::DeviceMemory,
@@ -285,23 +361,23 @@ impl EngineHandle {
             }
         })
         .await
-        .unwrap_or(Err(RuntimeError::EngineGone))
+        .unwrap_or_else(lost)
     }
 
     /// See [`Engine::prepare_connection`].
     ///
     /// # Errors
-    /// As [`Engine::prepare_connection`], or [`RuntimeError::EngineGone`].
+    /// As [`Engine::prepare_connection`], [`RuntimeError::EngineGone`] or [`RuntimeError::EnginePanic`].
     pub async fn prepare_connection(&self) -> Result<(ConnId, Endpoint), RuntimeError> {
         self.on_core(|s| async move { s.rdma(RuntimeError::NoNic)?.prepare_connection().await })
             .await
-            .unwrap_or(Err(RuntimeError::EngineGone))
+            .unwrap_or_else(lost)
     }
 
     /// See [`Engine::complete_connection`].
     ///
     /// # Errors
-    /// As [`Engine::complete_connection`], or [`RuntimeError::EngineGone`].
+    /// As [`Engine::complete_connection`], [`RuntimeError::EngineGone`] or [`RuntimeError::EnginePanic`].
     pub async fn complete_connection(
         &self,
         conn: ConnId,
@@ -313,13 +389,13 @@ impl EngineHandle {
                 .await
         })
         .await
-        .unwrap_or(Err(RuntimeError::EngineGone))
+        .unwrap_or_else(lost)
     }
 
     /// See [`Engine::transfer`].
     ///
     /// # Errors
-    /// As [`Engine::transfer`], or [`TransferError::EngineGone`].
+    /// As [`Engine::transfer`], [`TransferError::EngineGone`] or [`TransferError::EnginePanic`].
     pub async fn transfer(
         &self,
         conn: ConnId,
@@ -336,7 +412,8 @@ impl EngineHandle {
     /// See [`Engine::transfer_ranges`].
     ///
     /// # Errors
-    /// As [`Engine::transfer_ranges`], or [`TransferError::EngineGone`] (nothing known posted).
+    /// As [`Engine::transfer_ranges`], [`TransferError::EngineGone`] (nothing known
+    /// posted) or [`TransferError::EnginePanic`] (progress unknown).
     pub async fn transfer_ranges(
         &self,
         conn: ConnId,
@@ -356,10 +433,7 @@ impl EngineHandle {
             }
         })
         .await
-        .unwrap_or(Err(TransferFailure::before_posting(
-            TransferError::EngineGone,
-            descriptors,
-        )))
+        .unwrap_or_else(|l| Err(lost_transfer(l, descriptors)))
     }
 
     /// [`Self::transfer`] of a WRITE with default options.
@@ -408,7 +482,7 @@ impl EngineHandle {
                 .map(Arc::new)
         })
         .await
-        .unwrap_or(Err(TransferError::EngineGone))
+        .unwrap_or_else(lost)
     }
 
     /// Posts a prepared transfer once more; see [`Engine::post`].
@@ -426,7 +500,8 @@ impl EngineHandle {
     /// See [`Engine::post_ranges`].
     ///
     /// # Errors
-    /// As [`Engine::post_ranges`], or [`TransferError::EngineGone`] (nothing known posted).
+    /// As [`Engine::post_ranges`], [`TransferError::EngineGone`] (nothing known
+    /// posted) or [`TransferError::EnginePanic`] (progress unknown).
     pub async fn post_ranges(
         &self,
         prepared: &Arc<PreparedTransfer>,
@@ -444,10 +519,7 @@ impl EngineHandle {
             }
         })
         .await
-        .unwrap_or(Err(TransferFailure::before_posting(
-            TransferError::EngineGone,
-            descriptors,
-        )))
+        .unwrap_or_else(|l| Err(lost_transfer(l, descriptors)))
     }
 
     /// See [`Engine::send`].
@@ -464,7 +536,7 @@ impl EngineHandle {
             move |s| async move { s.rdma(TransferError::NoNic)?.send(conn, &msg, imm).await },
         )
         .await
-        .unwrap_or(Err(TransferError::EngineGone))
+        .unwrap_or_else(lost)
     }
 
     /// See [`Engine::recv`].
@@ -474,7 +546,7 @@ impl EngineHandle {
     pub async fn recv(&self, conn: ConnId) -> Result<Message, TransferError> {
         self.on_core(move |s| async move { s.rdma(TransferError::NoNic)?.recv(conn).await })
             .await
-            .unwrap_or(Err(TransferError::EngineGone))
+            .unwrap_or_else(lost)
     }
 
     /// The engine's counters and its live in-flight slots.
@@ -488,7 +560,7 @@ impl EngineHandle {
             })
         })
         .await
-        .ok_or(RuntimeError::EngineGone)
+        .map_err(RuntimeError::from)
     }
 
     /// See [`Engine::connections`] (0 on a core without a NIC).
@@ -498,7 +570,7 @@ impl EngineHandle {
     pub async fn connections(&self) -> Result<usize, RuntimeError> {
         self.on_core(|s| async move { s.engine.map_or(0, |e| e.connections()) })
             .await
-            .ok_or(RuntimeError::EngineGone)
+            .map_err(RuntimeError::from)
     }
 
     /// See [`Engine::connection_usable`] (false once the engine is gone).
@@ -563,7 +635,13 @@ pub(crate) fn serve_core(
 async fn serve(served: Served, mut rx: mpsc::UnboundedReceiver<Command>) {
     while let Some(cmd) = rx.next().await {
         match cmd {
-            Command::Run(job) => job(served.clone()),
+            Command::Run(job) => {
+                // The job only spawns its task (which contains its own panics); a panic here
+                // must not end the core's service either.
+                if let Err(p) = supervise::catching_sync(|| job(served.clone())) {
+                    let _ = contained(served.engine.as_ref(), p);
+                }
+            }
             Command::Shutdown(done) => {
                 served.files.close_all().await;
                 if let Some(e) = served.engine {

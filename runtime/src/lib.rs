@@ -15,6 +15,7 @@ pub mod pool;
 pub mod preflight;
 pub mod probe;
 pub mod rails;
+mod supervise;
 
 pub use desc::{
     LocalDesc, LocalDescList, Op, Region, RemoteDesc, RemoteDescList, SharedMr, WeakMr,

@@ -52,7 +52,11 @@ pub(super) fn start(inner: &Rc<Inner>, ctx: Context, stop: Arc<AtomicBool>) {
             let Some(inner) = weak.upgrade() else {
                 return;
             };
-            handle(&inner, ev);
+            // A panic handling one event must not stop the reading of the next ones.
+            if let Err(p) = crate::supervise::catching_sync(|| handle(&inner, ev)) {
+                inner.core.borrow_mut().counters_mut().task_panics += 1;
+                tracing::error!(engine = inner.id, panic = %p.0, "handling an async event panicked");
+            }
         }
     })
     .detach();
@@ -105,27 +109,30 @@ fn handle(inner: &Inner, ev: AsyncEvent) {
             return;
         }
     };
-    fail(inner, fault, conns);
+    let failed = fail(inner, &TransferError::Device(fault), conns);
+    inner.core.borrow_mut().counters_mut().event_failures += failed;
 }
 
-/// Fails every connection with `fault` (a failed CQ poll).
-pub(super) fn fail_all(inner: &Inner, fault: DeviceFault) {
+/// Fails every live connection with `err` (a failed CQ poll, a panicked progress task);
+/// returns how many were failed.
+pub(super) fn fail_all(inner: &Inner, err: &TransferError) -> u64 {
     let conns = inner.core.borrow().connection_ids();
-    fail(inner, fault, conns);
+    fail(inner, err, conns)
 }
 
-/// Fails each of `conns` still live with `fault`.
-fn fail(inner: &Inner, fault: DeviceFault, conns: Vec<rixl_proto::ConnId>) {
-    let err = TransferError::Device(fault);
-    let reason = fault.to_string();
+/// Fails each of `conns` still live with `err`; returns how many were.
+fn fail(inner: &Inner, err: &TransferError, conns: Vec<rixl_proto::ConnId>) -> u64 {
+    let reason = err.to_string();
+    let mut failed = 0;
     for conn in conns {
         let live = matches!(
             inner.core.borrow().state(conn),
             Some(rixl_proto::ConnState::Ready | rixl_proto::ConnState::Prepared)
         );
         if live {
-            inner.core.borrow_mut().counters_mut().event_failures += 1;
-            inner.fail_connection(conn, &reason, &err);
+            failed += 1;
+            inner.fail_connection(conn, &reason, err);
         }
     }
+    failed
 }

@@ -160,7 +160,7 @@ impl Engine {
             cq_failed: Cell::new(false),
             events_stop: Arc::new(std::sync::atomic::AtomicBool::new(false)),
         });
-        glommio::spawn_local(progress::run(Rc::clone(&inner))).detach();
+        glommio::spawn_local(progress::supervised(Rc::clone(&inner))).detach();
         events::start(&inner, inner.pd.context(), Arc::clone(&inner.events_stop));
         tracing::info!(engine = id, device = ?inner.cfg.device, "engine started");
         Ok(Engine { inner })
@@ -379,6 +379,11 @@ impl Engine {
     /// Connections this engine holds (prepared, ready, failed or closing).
     pub fn connections(&self) -> usize {
         self.inner.core.borrow().connections()
+    }
+
+    /// Counts a contained panic of a task on this engine's core.
+    pub(crate) fn note_task_panic(&self) {
+        self.inner.core.borrow_mut().counters_mut().task_panics += 1;
     }
 
     /// Whether `conn` exists and is ready for transfers (not failed, not closing).

@@ -12,6 +12,8 @@ use rixl_verbs::WorkCompletion;
 
 use super::nic::VerbsCq;
 use super::{Inner, PollMode};
+use crate::error::TransferError;
+use crate::supervise::{catching, Panicked};
 
 /// Busy mode with only receives awaited, after `recv_spin_polls` empty polls: the poll interval.
 const RECV_POLL_INTERVAL: Duration = Duration::from_micros(200);
@@ -19,12 +21,31 @@ const RECV_POLL_INTERVAL: Duration = Duration::from_micros(200);
 /// Event mode: the longest one wait for a completion event blocks.
 const EVENT_WAIT: Duration = Duration::from_millis(20);
 
-pub(super) async fn run(inner: Rc<Inner>) {
+/// The progress task under supervision. A panic in it may have lost completions it had reaped,
+/// so no transfer of the engine can be trusted to end by itself: every connection is failed
+/// (their transfers end with [`TransferError::EnginePanic`] once the NIC has flushed their
+/// work, and the agent replaces them on the next transfers), and the task starts again.
+pub(super) async fn supervised(inner: Rc<Inner>) {
+    loop {
+        match catching(run(Rc::clone(&inner))).await {
+            Ok(()) => return,
+            Err(Panicked(msg)) => {
+                let err = TransferError::EnginePanic(msg);
+                let failed = super::events::fail_all(&inner, &err);
+                inner.core.borrow_mut().counters_mut().progress_restarts += 1;
+                tracing::error!(engine = inner.id, error = %err, connections = failed, "the progress task panicked: its connections were failed, and it starts again");
+            }
+        }
+    }
+}
+
+async fn run(inner: Rc<Inner>) {
     let batch = inner.cfg.poll_batch.max(1);
     let mut wcs = vec![WorkCompletion::default(); batch];
     let mut out = vec![Completion::success(0, 0); batch];
     loop {
         let turn = inner.core.borrow_mut().next_turn();
+        crate::supervise::fail_point("rixl-progress");
         // Read the clock only every few iterations (clock reads are syscalls on some clock
         // sources); event-mode iterations are slow anyway.
         let tick = turn.is_multiple_of(32) || inner.cfg.poll_mode == PollMode::Event;
@@ -41,7 +62,8 @@ pub(super) async fn run(inner: Rc<Inner>) {
             core.reap(&mut cq, &mut out)
         };
         if inner.cq_failed.replace(false) {
-            super::events::fail_all(&inner, rixl_proto::DeviceFault::CompletionQueueError);
+            let fault = TransferError::Device(rixl_proto::DeviceFault::CompletionQueueError);
+            super::events::fail_all(&inner, &fault);
         }
         if n > 0 {
             inner.quiet_polls.set(0);

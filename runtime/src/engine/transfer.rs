@@ -453,6 +453,7 @@ async fn transfer_inner(
     // The plan goes back to the pool before the wait: concurrent transfers share few plans.
     inner.core.borrow_mut().recycle_plan(plan);
     let posted = clock();
+    crate::supervise::fail_point("rixl-transfer-posted");
     wait_slot(&mut guard)
         .await
         .map_err(|e| failed(e, &guard, local.descs().iter().map(|d| d.len)))?;
@@ -530,7 +531,7 @@ async fn post_plan(
             inner.kick_progress();
         }
         if flush {
-            glommio::spawn_local(flush_queue(Rc::clone(inner), conn)).detach();
+            crate::supervise::spawn("flush queue", flush_queue(Rc::clone(inner), conn));
         }
         r
     })

@@ -582,10 +582,9 @@ impl FileStore {
     pub fn close(&self, id: FileId) {
         if let Some(f) = self.files.borrow_mut().remove(&id) {
             if let Ok(f) = Rc::try_unwrap(f) {
-                glommio::spawn_local(async move {
+                crate::supervise::spawn("file close", async move {
                     let _ = f.dma.close().await;
-                })
-                .detach();
+                });
             }
         }
     }
@@ -689,7 +688,7 @@ impl FileStore {
             counters: Rc::clone(&self.counters),
         });
         for _ in 0..workers {
-            glommio::spawn_local(worker(Rc::clone(&job))).detach();
+            crate::supervise::spawn("file worker", worker(Rc::clone(&job)));
         }
         let finished = async { Some(rx.await) };
         let expired = async {
