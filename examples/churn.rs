@@ -24,6 +24,7 @@ use clap::Parser;
 use futures_lite::future::block_on;
 use rixl::agent::{Agent, AgentConfig, AgentError, CallOptions, RemoteRef, Visibility};
 use rixl::runtime::{LocalDescList, Op};
+use rixl_testkit::{block_intact, fill_block};
 
 type BoxError = Box<dyn std::error::Error>;
 
@@ -68,35 +69,6 @@ fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
-}
-
-fn byte(seed: u64, block: u64, i: u64) -> u8 {
-    let x = seed
-        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
-        .wrapping_add(block.wrapping_mul(0xbf58_476d_1ce4_e5b9))
-        .wrapping_add(i);
-    (x ^ (x >> 29)) as u8
-}
-
-/// Block `block` of a member with `seed`.
-fn fill_block(buf: &mut [u8], seed: u64, block: u64) {
-    buf[..8].copy_from_slice(&seed.to_le_bytes());
-    buf[8..16].copy_from_slice(&block.to_le_bytes());
-    for (i, b) in buf.iter_mut().enumerate().skip(16) {
-        *b = byte(seed, block, i as u64);
-    }
-}
-
-/// Whether `buf` is an intact block `block` of some member.
-fn block_intact(buf: &[u8], block: u64) -> bool {
-    let seed = u64::from_le_bytes(buf[..8].try_into().expect("8 bytes"));
-    let index = u64::from_le_bytes(buf[8..16].try_into().expect("8 bytes"));
-    index == block
-        && buf
-            .iter()
-            .enumerate()
-            .skip(16)
-            .all(|(i, &b)| b == byte(seed, block, i as u64))
 }
 
 /// One member: exports its blocks, reads random runs of its peers' blocks until told to quit
@@ -165,7 +137,7 @@ fn member(args: &Args, name: &str, etcd: &str) -> Result<(), BoxError> {
                 let intact = run
                     .chunks(BLOCK as usize)
                     .enumerate()
-                    .all(|(k, b)| block_intact(b, first + k as u64));
+                    .all(|(k, b)| block_intact(b, first + k as u64).is_some());
                 if intact { "ok" } else { "corrupt" }.to_string()
             }
             Err(e) => format!("err {}", kind(&e)),

@@ -70,6 +70,19 @@ pub(crate) fn fail_point(name: &'static str) {
     let _ = name;
 }
 
+/// Whether the fail point `name` is configured to `return` (`fail::cfg(name, "1*return")`):
+/// the caller then injects its fault. Always false without the `failpoints` feature.
+#[inline(always)]
+pub(crate) fn fail_return(name: &'static str) -> bool {
+    #[cfg(feature = "failpoints")]
+    return fail::eval(name, |_| ()).is_some();
+    #[cfg(not(feature = "failpoints"))]
+    {
+        let _ = name;
+        false
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

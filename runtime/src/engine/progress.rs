@@ -46,6 +46,16 @@ async fn run(inner: Rc<Inner>) {
     loop {
         let turn = inner.core.borrow_mut().next_turn();
         crate::supervise::fail_point("rixl-progress");
+        if crate::supervise::fail_return("rixl-qp-error") {
+            // Injected: every queue pair of the engine is moved to ERROR, as a fatal QP
+            // fault would (the fault trials' "QP forced to error").
+            let n = super::events::fail_all(&inner, &TransferError::Flushed);
+            tracing::warn!(
+                engine = inner.id,
+                connections = n,
+                "fail point: queue pairs forced to error"
+            );
+        }
         // Read the clock only every few iterations (clock reads are syscalls on some clock
         // sources); event-mode iterations are slow anyway.
         let tick = turn.is_multiple_of(32) || inner.cfg.poll_mode == PollMode::Event;

@@ -176,3 +176,37 @@ mod tests {
         assert_eq!(&c[..], &a[50..150]);
     }
 }
+
+fn block_byte(seed: u64, block: u64, i: u64) -> u8 {
+    let x = seed
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        .wrapping_add(block.wrapping_mul(0xbf58_476d_1ce4_e5b9))
+        .wrapping_add(i);
+    (x ^ (x >> 29)) as u8
+}
+
+/// Fills `buf` (at least 16 bytes) as block `block` of an owner with `seed`, a block that
+/// describes itself: its first 16 bytes hold the seed and the block index, the rest a pattern
+/// of both. A reader checks it with [`block_intact`] without knowing which owner (or which
+/// incarnation of it) served it.
+pub fn fill_block(buf: &mut [u8], seed: u64, block: u64) {
+    buf[..8].copy_from_slice(&seed.to_le_bytes());
+    buf[8..16].copy_from_slice(&block.to_le_bytes());
+    for (i, b) in buf.iter_mut().enumerate().skip(16) {
+        *b = block_byte(seed, block, i as u64);
+    }
+}
+
+/// Whether `buf` is an intact block `block` (see [`fill_block`]) of some owner; returns that
+/// owner's seed.
+pub fn block_intact(buf: &[u8], block: u64) -> Option<u64> {
+    let seed = u64::from_le_bytes(buf.get(..8)?.try_into().ok()?);
+    let index = u64::from_le_bytes(buf.get(8..16)?.try_into().ok()?);
+    (index == block
+        && buf
+            .iter()
+            .enumerate()
+            .skip(16)
+            .all(|(i, &b)| b == block_byte(seed, block, i as u64)))
+    .then_some(seed)
+}
