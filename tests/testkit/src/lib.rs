@@ -159,24 +159,6 @@ pub fn example(name: &str) -> std::path::PathBuf {
     path
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn patterns_differ_by_seed_and_offset() {
-        let mut a = vec![0u8; 4096];
-        let mut b = vec![0u8; 4096];
-        fill(&mut a, 1);
-        fill(&mut b, 2);
-        assert_ne!(a, b);
-        assert!(a.windows(2).any(|w| w[0] != w[1]));
-        let mut c = vec![0u8; 100];
-        fill_from(&mut c, 1, 50);
-        assert_eq!(&c[..], &a[50..150]);
-    }
-}
-
 fn block_byte(seed: u64, block: u64, i: u64) -> u8 {
     let x = seed
         .wrapping_mul(0x9e37_79b9_7f4a_7c15)
@@ -209,4 +191,22 @@ pub fn block_intact(buf: &[u8], block: u64) -> Option<u64> {
             .skip(16)
             .all(|(i, &b)| b == block_byte(seed, block, i as u64)))
     .then_some(seed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn patterns_differ_by_seed_and_offset() {
+        let mut a = vec![0u8; 4096];
+        let mut b = vec![0u8; 4096];
+        fill(&mut a, 1);
+        fill(&mut b, 2);
+        assert_ne!(a, b);
+        assert!(a.windows(2).any(|w| w[0] != w[1]));
+        let mut c = vec![0u8; 100];
+        fill_from(&mut c, 1, 50);
+        assert_eq!(&c[..], &a[50..150]);
+    }
 }
