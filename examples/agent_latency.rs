@@ -1,0 +1,105 @@
+//! Latency of agent calls made from a thread that is not the engine's, as a serving engine makes
+//! them: every call crosses to the engine's core (`EngineHandle`) and back. Sequential READs of
+//! one size from a second agent in the same process, optionally with background readers that
+//! keep other transfers in flight; prints the median, 99th percentile and maximum, and how many
+//! calls took over 10 ms.
+//!
+//! ```text
+//! agent_latency [--size 4096] [--iters 2000] [--background 1]
+//! ```
+
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use futures_lite::future::block_on;
+use rixl::agent::{Agent, AgentConfig, RemoteRef, Visibility};
+use rixl::runtime::LocalDescList;
+
+type BoxError = Box<dyn std::error::Error>;
+
+#[derive(Debug, Parser)]
+#[command(about = "Latency of cross-thread agent READs")]
+struct Args {
+    /// Bytes per READ.
+    #[arg(long, default_value_t = 4096)]
+    size: u64,
+    /// Measured READs.
+    #[arg(long, default_value_t = 2000)]
+    iters: usize,
+    /// Background threads reading all the time (other transfers in flight).
+    #[arg(long, default_value_t = 1)]
+    background: usize,
+}
+
+fn main() -> Result<(), BoxError> {
+    let args = Args::parse();
+    let cpus = rixl::runtime::available_cpus().len();
+    let mk = |cpu: usize| {
+        let mut cfg = AgentConfig::default();
+        cfg.cpu = cpu % cpus;
+        cfg
+    };
+    let owner = Agent::new("lat-owner", mk(1))?;
+    let user = Agent::new("lat-user", mk(0))?;
+    owner.listen("127.0.0.1:0")?;
+    let len = (args.size as usize) * (args.background + 1);
+    let src = block_on(owner.register(len, Visibility::All))?;
+    let dst = block_on(user.register(len, Visibility::All))?;
+    let peer = user.load_remote_metadata(&owner.local_metadata("lat-user")?)?;
+    let read = |slot: u64| {
+        let mut l = LocalDescList::new();
+        l.push(dst.region(), slot * args.size, args.size);
+        let r = [RemoteRef {
+            region: src.id(),
+            offset: slot * args.size,
+            len: args.size,
+        }];
+        block_on(user.read(&peer, &l, &r))
+    };
+    // Connect and warm up.
+    for _ in 0..200 {
+        read(0)?;
+    }
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let mut hist = hdrhistogram::Histogram::<u64>::new(3)?;
+    let mut over_10ms = 0;
+    let t0 = Instant::now();
+    std::thread::scope(|s| -> Result<(), BoxError> {
+        for b in 0..args.background {
+            let (stop, read) = (&stop, &read);
+            s.spawn(move || {
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    if read(b as u64 + 1).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+        let r = (|| -> Result<(), BoxError> {
+            for _ in 0..args.iters {
+                let t = Instant::now();
+                read(0)?;
+                let took = t.elapsed();
+                over_10ms += usize::from(took > Duration::from_millis(10));
+                hist.record(took.as_micros() as u64)?;
+            }
+            Ok(())
+        })();
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        r
+    })?;
+    println!(
+        "agent_latency: {} B READ x {} ({} background readers) in {:.2} s: p50 {} us, p99 {} us, max {} us, {} over 10 ms",
+        args.size,
+        args.iters,
+        args.background,
+        t0.elapsed().as_secs_f64(),
+        hist.value_at_quantile(0.5),
+        hist.value_at_quantile(0.99),
+        hist.max(),
+        over_10ms
+    );
+    user.shutdown();
+    owner.shutdown();
+    Ok(())
+}
