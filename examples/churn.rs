@@ -24,7 +24,7 @@ use clap::Parser;
 use futures_lite::future::block_on;
 use rixl::agent::{Agent, AgentConfig, AgentError, CallOptions, RemoteRef, Visibility};
 use rixl::runtime::{LocalDescList, Op};
-use rixl_testkit::{block_intact, fill_block};
+use rixl_testkit::{block_intact, fill_block, wait_listening};
 
 type BoxError = Box<dyn std::error::Error>;
 
@@ -277,12 +277,8 @@ fn start_etcd() -> Result<(Etcd, String), BoxError> {
         .stderr(Stdio::null())
         .spawn()?;
     let etcd = Etcd(child, dir);
-    let t0 = Instant::now();
-    while std::net::TcpStream::connect(&endpoint).is_err() {
-        if t0.elapsed() > Duration::from_secs(20) {
-            return Err("etcd did not start".into());
-        }
-        std::thread::sleep(Duration::from_millis(100));
+    if !wait_listening(&endpoint, Duration::from_secs(20)) {
+        return Err("etcd did not start".into());
     }
     Ok((etcd, endpoint))
 }

@@ -359,11 +359,10 @@ impl Etcd {
             .stderr(std::process::Stdio::null())
             .spawn()
             .expect("start etcd (Debian package etcd-server)");
-        let t0 = Instant::now();
-        while std::net::TcpStream::connect(&endpoint).is_err() {
-            assert!(t0.elapsed() < Duration::from_secs(20), "etcd did not start");
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        assert!(
+            rixl_testkit::wait_listening(&endpoint, Duration::from_secs(20)),
+            "etcd did not start"
+        );
         Etcd {
             child,
             dir,

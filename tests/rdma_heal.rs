@@ -249,13 +249,35 @@ struct Owner {
     child: std::process::Child,
     ctl: rixl_testkit::Control,
     region: u64,
+    port: u16,
+}
+
+impl Owner {
+    /// Its side channel's address.
+    fn addr(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
 }
 
 /// A peer process listening on `port`, its region filled with pattern `seed`.
 fn spawn_owner(port: u16, seed: u64) -> Owner {
     let (child, mut ctl) = spawn_peer("owner_process", &format!("{port} {seed}"));
     let region = ctl.recv_str().parse().expect("region id");
-    Owner { child, ctl, region }
+    Owner {
+        child,
+        ctl,
+        region,
+        port,
+    }
+}
+
+/// [`spawn_owner`] on a port that was free a moment ago.
+fn spawn_owner_anywhere(seed: u64) -> Owner {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    spawn_owner(port, seed)
 }
 
 #[test]
@@ -265,14 +287,9 @@ fn heal_a_killed_peer_restarted_at_its_address_is_reached_without_reloading() {
     }) else {
         return;
     };
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
-    let owner = spawn_owner(port, 31);
-    let peer = user
-        .fetch_remote_metadata(&format!("127.0.0.1:{port}"))
-        .expect("fetch");
+    let owner = spawn_owner_anywhere(31);
+    let port = owner.port;
+    let peer = user.fetch_remote_metadata(&owner.addr()).expect("fetch");
     let dst = block_on(user.register(PEER_LEN, Visibility::All)).expect("dst");
     let canary = block_on(user.register(1 << 20, Visibility::All)).expect("canary");
     canary
@@ -428,12 +445,8 @@ fn heal_a_stopped_peer_times_out_set_ups_in_time_and_heals_after_sigcont() {
     else {
         return;
     };
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
-    let mut owner = spawn_owner(port, 61);
-    let addr = format!("127.0.0.1:{port}");
+    let mut owner = spawn_owner_anywhere(61);
+    let addr = owner.addr();
     let peer = user.fetch_remote_metadata(&addr).expect("fetch");
     // A second agent that learned the metadata but never connected.
     let late = Agent::new("stop-late", fast_failing(1)).expect("second agent");
@@ -811,15 +824,9 @@ fn supervise_an_injected_panic_fails_only_what_its_task_owned_and_the_engine_car
     }) else {
         return;
     };
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
     // The owner is another process: the fail points below fire in this process's engine only.
-    let mut owner = spawn_owner(port, 51);
-    let peer = user
-        .fetch_remote_metadata(&format!("127.0.0.1:{port}"))
-        .expect("fetch");
+    let mut owner = spawn_owner_anywhere(51);
+    let peer = user.fetch_remote_metadata(&owner.addr()).expect("fetch");
     let dst = block_on(user.register(PEER_LEN, Visibility::All)).expect("dst");
     let canary = block_on(user.register(1 << 20, Visibility::All)).expect("canary");
     canary

@@ -95,14 +95,12 @@ impl Cluster {
             .join(",");
         let t0 = Instant::now();
         for m in &members {
-            while std::net::TcpStream::connect(&m.client).is_err() {
-                assert!(
-                    t0.elapsed() < Duration::from_secs(30),
-                    "etcd {} did not start",
-                    m.name
-                );
-                std::thread::sleep(Duration::from_millis(100));
-            }
+            let left = Duration::from_secs(30).saturating_sub(t0.elapsed());
+            assert!(
+                rixl_testkit::wait_listening(&m.client, left),
+                "etcd {} did not start",
+                m.name
+            );
         }
         Cluster { members, endpoints }
     }

@@ -54,7 +54,7 @@ pub(super) fn start(inner: &Rc<Inner>, ctx: Context, stop: Arc<AtomicBool>) {
             };
             // A panic handling one event must not stop the reading of the next ones.
             if let Err(p) = crate::supervise::catching_sync(|| handle(&inner, ev)) {
-                inner.core.borrow_mut().counters_mut().task_panics += 1;
+                inner.note_task_panic();
                 tracing::error!(engine = inner.id, panic = %p.0, "handling an async event panicked");
             }
         }

@@ -383,7 +383,7 @@ impl Engine {
 
     /// Counts a contained panic of a task on this engine's core.
     pub(crate) fn note_task_panic(&self) {
-        self.inner.core.borrow_mut().counters_mut().task_panics += 1;
+        self.inner.note_task_panic();
     }
 
     /// Whether `conn` exists and is ready for transfers (not failed, not closing).
@@ -464,6 +464,11 @@ impl Inner {
         if let Some(w) = self.progress_waker.borrow_mut().take() {
             w.wake();
         }
+    }
+
+    /// Counts a contained panic of a task on this core.
+    fn note_task_panic(&self) {
+        self.core.borrow_mut().counters_mut().task_panics += 1;
     }
 
     fn fail_connection(&self, conn: ConnId, reason: &str, err: &TransferError) {

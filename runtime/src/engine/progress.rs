@@ -45,20 +45,12 @@ async fn run(inner: Rc<Inner>) {
     let mut out = vec![Completion::success(0, 0); batch];
     loop {
         let turn = inner.core.borrow_mut().next_turn();
-        crate::supervise::fail_point("rixl-progress");
-        if crate::supervise::fail_return("rixl-qp-error") {
-            // Injected: every queue pair of the engine is moved to ERROR, as a fatal QP
-            // fault would (the fault trials' "QP forced to error").
-            let n = super::events::fail_all(&inner, &TransferError::Flushed);
-            tracing::warn!(
-                engine = inner.id,
-                connections = n,
-                "fail point: queue pairs forced to error"
-            );
-        }
         // Read the clock only every few iterations (clock reads are syscalls on some clock
         // sources); event-mode iterations are slow anyway.
         let tick = turn.is_multiple_of(32) || inner.cfg.poll_mode == PollMode::Event;
+        if tick {
+            injected_faults(&inner);
+        }
         let n = {
             let mut core = inner.core.borrow_mut();
             if tick {
@@ -126,6 +118,21 @@ async fn run(inner: Rc<Inner>) {
             PollMode::Busy if !idle || spin_for_recv => futures_lite::future::yield_now().await,
             _ => wait_off_core(&inner, &mut wcs, &mut out).await,
         }
+    }
+}
+
+/// The progress loop's fail points (nothing without the `failpoints` feature): a panic
+/// (`rixl-progress`), or every queue pair of the engine moved to ERROR as a fatal QP fault
+/// would (`rixl-qp-error`, the fault trials' "QP forced to error").
+fn injected_faults(inner: &Inner) {
+    crate::supervise::fail_point("rixl-progress");
+    if crate::supervise::fail_return("rixl-qp-error") {
+        let n = super::events::fail_all(inner, &TransferError::Flushed);
+        tracing::warn!(
+            engine = inner.id,
+            connections = n,
+            "fail point: queue pairs forced to error"
+        );
     }
 }
 

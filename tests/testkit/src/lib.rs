@@ -159,6 +159,19 @@ pub fn example(name: &str) -> std::path::PathBuf {
     path
 }
 
+/// Waits until something accepts TCP connections at `addr` (a server another process is
+/// starting); false if nothing did within `within`.
+pub fn wait_listening(addr: &str, within: std::time::Duration) -> bool {
+    let t0 = std::time::Instant::now();
+    while TcpStream::connect(addr).is_err() {
+        if t0.elapsed() > within {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    true
+}
+
 fn block_byte(seed: u64, block: u64, i: u64) -> u8 {
     let x = seed
         .wrapping_mul(0x9e37_79b9_7f4a_7c15)
