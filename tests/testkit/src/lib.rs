@@ -46,6 +46,39 @@ pub fn init_logs() {
     }
 }
 
+/// Prints injected panics (fail points, whose message starts with `failpoint`) as one line,
+/// without a backtrace; other panics go to the default hook.
+///
+/// The panic hook runs on the panicking thread before unwinding starts. With
+/// `RUST_BACKTRACE=1`, the default hook symbolizes a backtrace there: on an engine core that
+/// stalls the core, and with it every transfer it owns, for as long as the symbolization takes
+/// (over a second for a debug test binary in the emulated guest). The supervision tests time
+/// what supervision does, not the hook; once per process.
+pub fn quiet_injected_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let msg = info
+                .payload()
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| info.payload().downcast_ref::<String>().cloned());
+            match msg {
+                Some(m) if m.starts_with("failpoint") => {
+                    let thread = std::thread::current();
+                    let _ = writeln!(
+                        std::io::stderr(),
+                        "injected panic on thread {:?}: {m}",
+                        thread.name().unwrap_or("?")
+                    );
+                }
+                _ => default(info),
+            }
+        }));
+    });
+}
+
 /// Prints a measurement line past libtest's output capture.
 pub fn report(line: &str) {
     let _ = writeln!(std::io::stderr(), "{line}");
