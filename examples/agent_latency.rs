@@ -34,8 +34,11 @@ struct Args {
 fn main() -> Result<(), BoxError> {
     let args = Args::parse();
     let cpus = rixl::runtime::available_cpus().len();
+    // Both agents live in this process: one key generated here serves them (or the
+    // environment's RIXL_CLUSTER_KEY).
+    let key = rixl::agent::ClusterKey::env_or_process_local()?;
     let mk = |cpu: usize| {
-        let mut cfg = AgentConfig::default();
+        let mut cfg = AgentConfig::default().with_cluster_key(key.clone());
         cfg.cpu = cpu % cpus;
         cfg
     };

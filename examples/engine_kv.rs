@@ -111,9 +111,11 @@ fn parse_ids(s: &str) -> Vec<u64> {
 
 fn main() -> Result<(), BoxError> {
     let a = Args::parse();
-    let mut pc = AgentConfig::default();
+    let mut pc =
+        AgentConfig::default().with_cluster_key(rixl::agent::ClusterKey::env_or_process_local()?);
     pc.cpu = 0;
-    let mut dc = AgentConfig::default();
+    let mut dc =
+        AgentConfig::default().with_cluster_key(rixl::agent::ClusterKey::env_or_process_local()?);
     dc.cpu = 1 % rixl::runtime::available_cpus().len();
     let prefill = Agent::new("prefill", pc)?;
     let decode = Agent::new("decode", dc)?;

@@ -329,7 +329,8 @@ fn main() -> Result<(), BoxError> {
     }
     std::fs::create_dir_all(&dir)?;
 
-    let mut cfg = AgentConfig::default();
+    let mut cfg =
+        AgentConfig::default().with_cluster_key(rixl::agent::ClusterKey::env_or_process_local()?);
     cfg.engine.require_nic = false;
     cfg.io_memory = 8 << 20;
     let agent = Agent::new("kv-offload", cfg)?;

@@ -63,7 +63,8 @@ fn main() -> Result<(), BoxError> {
     let ncpu = rixl::runtime::available_cpus().len();
 
     // --- storage node: a file tier, staging DRAM visible only to the reader.
-    let mut cfg = AgentConfig::default();
+    let mut cfg =
+        AgentConfig::default().with_cluster_key(rixl::agent::ClusterKey::env_or_process_local()?);
     cfg.cpu = ncpu - 1;
     let storage = Agent::new("storage", cfg)?;
     let path = dir.join(format!("remote-tier-{}.bin", std::process::id()));
@@ -116,7 +117,8 @@ fn main() -> Result<(), BoxError> {
     });
 
     // --- reader node.
-    let mut cfg = AgentConfig::default();
+    let mut cfg =
+        AgentConfig::default().with_cluster_key(rixl::agent::ClusterKey::env_or_process_local()?);
     cfg.cpu = 0;
     let reader = Agent::new("reader", cfg)?;
     // One thread forwards the reader's notifications, so each wait can have a deadline.

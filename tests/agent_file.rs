@@ -6,7 +6,8 @@ use rixl::agent::{Agent, AgentConfig, AgentError, RemoteRef, Visibility};
 use rixl::runtime::{FileDesc, FileError, FileMode, FileSpec, LocalDescList, TransferError};
 
 fn agent(name: &str) -> Agent {
-    let mut cfg = AgentConfig::default();
+    let mut cfg = AgentConfig::default()
+        .with_cluster_key(rixl::agent::ClusterKey::env_or_process_local().expect("a cluster key"));
     cfg.engine.require_nic = false;
     cfg.io_memory = 1 << 20;
     Agent::new(name, cfg).expect("agent starts with or without a NIC")

@@ -149,7 +149,7 @@ fn decode_reads_scattered_kv_blocks_and_notifies_prefill() {
         partial: false,
         removed: vec![],
     }
-    .encode()
+    .encode(&rixl::agent::ClusterKey::env_or_process_local().expect("key"))
     .expect("encode");
     assert!(matches!(
         decode.load_remote_metadata(&good[..good.len() - 3]),

@@ -179,7 +179,8 @@ fn whole_remote(region: u64, len: usize) -> [rixl::agent::RemoteRef; 1] {
 }
 
 fn agent_config() -> rixl::agent::AgentConfig {
-    let mut cfg = rixl::agent::AgentConfig::default();
+    let mut cfg = rixl::agent::AgentConfig::default()
+        .with_cluster_key(rixl::agent::ClusterKey::env_or_process_local().expect("a cluster key"));
     cfg.engine.require_nic = false;
     cfg
 }
@@ -637,6 +638,11 @@ fn agent_stage(
             "--gpu",
             &ordinal.to_string(),
         ])
+        // The child agent proves itself with this process's cluster key.
+        .env(
+            "RIXL_CLUSTER_KEY",
+            rixl::agent::ClusterKey::env_or_process_local()?.to_hex(),
+        )
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .spawn()?;

@@ -2,6 +2,7 @@
 
 use std::time::Duration;
 
+use super::auth::ClusterKey;
 use crate::runtime::{EngineConfig, DEFAULT_IO_MEMORY};
 
 /// Who may see a registration in this agent's metadata.
@@ -41,6 +42,28 @@ pub struct AgentConfig {
     /// The longest a connection set-up to a peer may take (the side-channel exchange and the
     /// queue pair's transitions); a transfer also waits no longer than its own deadline.
     pub connect_timeout: Duration,
+    /// The key the agents of this cluster share: side-channel peers prove they hold it, and it
+    /// tags every metadata blob. `None`: `RIXL_CLUSTER_KEY` (hex), else the file named by
+    /// `RIXL_CLUSTER_KEY_FILE`; without either, [`Agent::new`](super::Agent::new) fails
+    /// unless [`Self::insecure`].
+    pub cluster_key: Option<ClusterKey>,
+    /// Runs without a cluster key: any client can claim any name and metadata is not
+    /// protected. Only for a trusted, closed network; the agent warns on every side-channel
+    /// connection.
+    pub insecure: bool,
+    /// The most side-channel connections served at once (more are closed at accept).
+    pub max_side_channel_connections: usize,
+    /// The longest side-channel request line, in bytes (at least 1 KiB; replies of metadata
+    /// are bounded by the metadata format instead).
+    pub max_control_message: usize,
+}
+
+impl AgentConfig {
+    /// This configuration with `key` as its cluster key.
+    pub fn with_cluster_key(mut self, key: ClusterKey) -> Self {
+        self.cluster_key = Some(key);
+        self
+    }
 }
 
 impl Default for AgentConfig {
@@ -58,6 +81,10 @@ impl Default for AgentConfig {
                 })
                 .unwrap_or_default(),
             connect_timeout: Duration::from_secs(5),
+            cluster_key: None,
+            insecure: false,
+            max_side_channel_connections: 256,
+            max_control_message: 1 << 20,
         }
     }
 }

@@ -2,6 +2,7 @@
 
 use crate::runtime::{FileError, RuntimeError, TransferError};
 
+use super::auth::AuthError;
 use super::metadata::MetadataError;
 
 /// Errors of the agent.
@@ -70,6 +71,17 @@ pub enum AgentError {
         /// The socket error (`TimedOut` or `WouldBlock` past the deadline).
         #[source]
         source: std::io::Error,
+    },
+    /// Identity: no or a bad cluster key, a peer that failed authentication, or ours refused.
+    #[error(transparent)]
+    Auth(#[from] AuthError),
+    /// A side-channel line was over its size limit; the connection was closed.
+    #[error("side channel {addr}: a message over the {limit}-byte limit; connection closed")]
+    MessageTooLarge {
+        /// The other side's address.
+        addr: String,
+        /// The limit.
+        limit: usize,
     },
     /// The peer's metadata carries no side-channel address: connections cannot be set up.
     #[error("peer {0:?} has no side-channel address")]

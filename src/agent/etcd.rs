@@ -378,7 +378,7 @@ impl Session<'_> {
     /// PUTs this agent's metadata on `lease`.
     async fn put(&mut self, lease: i64) -> Result<(), etcd_client::Error> {
         let inner = &self.agent.inner;
-        let md = match inner.metadata_for("*").encode() {
+        let md = match inner.metadata_for("*").encode(&inner.identity.key) {
             Ok(md) => md,
             Err(e) => {
                 tracing::warn!(agent = %inner.name, error = %e, "metadata cannot be encoded; not published");
@@ -436,14 +436,12 @@ impl Session<'_> {
             return;
         };
         let inner = &self.agent.inner;
-        match self.agent.load_remote_metadata(value) {
-            Ok(name) if name == peer => {
+        // The blob must be the key's agent's: checked before anything is loaded.
+        match inner.load_metadata_as(value, Some(&peer)) {
+            Ok(_) => {
                 Counters::bump(&inner.membership_counters.loads);
                 tracing::debug!(agent = %inner.name, %peer, "etcd: loaded metadata");
                 lock(self.known).insert(peer);
-            }
-            Ok(name) => {
-                tracing::warn!(agent = %inner.name, key = %peer, %name, "etcd: metadata under another agent's key");
             }
             Err(e) => {
                 tracing::warn!(agent = %inner.name, %peer, error = %e, "etcd: rejected metadata")
@@ -493,9 +491,9 @@ fn still_there(inner: &Inner, peer: &str) -> bool {
         return false;
     };
     let deadline = Instant::now() + PROBE_TIMEOUT;
-    sidechannel::fetch_metadata(&inner.name, &md.address, deadline)
+    sidechannel::fetch_metadata(inner, &md.address, Some(peer), deadline)
         .ok()
-        .and_then(|blob| super::metadata::AgentMetadata::decode(&blob).ok())
+        .and_then(|blob| super::metadata::AgentMetadata::decode(&blob, &inner.identity.key).ok())
         .is_some_and(|fresh| fresh.name == peer && fresh.generation == md.generation)
 }
 

@@ -309,20 +309,15 @@ async fn setup(
             .ok_or_else(|| AgentError::NoSideChannel(key.peer.clone()))
     };
     if refetch {
-        let blob = sidechannel::fetch_metadata(&inner.name, &addr(inner)?, deadline)?;
-        let name = inner.load_metadata(&blob)?;
-        if name != key.peer {
-            return Err(AgentError::WrongPeer {
-                expected: key.peer.clone(),
-                found: name,
-            });
-        }
+        let blob = sidechannel::fetch_metadata(inner, &addr(inner)?, Some(&key.peer), deadline)?;
+        inner.load_metadata_as(&blob, Some(&key.peer))?;
     }
     let addr = addr(inner)?;
     let engine = inner.rails.engine(key.rail).clone();
     let (conn, mine) = engine.prepare_connection().await?;
     let connected = async {
-        let theirs = sidechannel::request_connection(inner, &addr, key.rail, &mine, deadline)?;
+        let theirs =
+            sidechannel::request_connection(inner, &key.peer, &addr, key.rail, &mine, deadline)?;
         engine.complete_connection(conn, theirs).await?;
         Ok::<(), AgentError>(())
     }

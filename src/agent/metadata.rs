@@ -1,5 +1,6 @@
-//! Agent metadata: what a peer needs to reach this agent's memory. A versioned, checksummed
-//! binary format, validated on load: truncated, forged or oversized blobs are clean errors.
+//! Agent metadata: what a peer needs to reach this agent's memory. A versioned binary format,
+//! tagged with the cluster key and validated on load: truncated, forged or oversized blobs are
+//! clean errors.
 //!
 //! ```text
 //! "RIXLMD" | version u16 | total length u32 | name (u16 len + utf8) | generation u64
@@ -8,20 +9,25 @@
 //!          | regions: id u64, addr u64, len u64, rkey u32 per rail, kind u8
 //!          | IPC export count u32 | exports: region id u64, GPU ordinal u32, handle 64 bytes
 //!          | removed count u32 | removed region ids u64
-//!          | FNV-1a 64 of everything before
+//!          | HMAC-SHA256 of everything before, under the cluster key (32 bytes)
 //! ```
 //!
-//! Version 2 added the node and process (so a peer on the same node can pick CUDA IPC), the
-//! rails (one rkey per NIC the agent stripes over) and the CUDA IPC exports of VRAM regions;
-//! version 1 blobs (one rkey, none of these) are still read.
+//! Version 4 replaced the FNV checksum of version 3 with the HMAC tag: a blob is believed only
+//! when a holder of the cluster key made it, and the name it carries is covered by the tag.
+//! Blobs of versions 1-3 carry no tag and are refused (`IncompatibleVersion`). Decoding checks
+//! the tag before it reads a field, bounds every count by the bytes left before it allocates,
+//! and is linear in the blob.
 //!
-//! Version 3 added partial metadata (flags bit 0): a blob with only some regions
-//! (`getLocalPartialMD`), merged into what the reader already holds of the same agent
-//! generation, and the ids of regions the agent has released since. Version 2 blobs are
-//! still read (as full metadata).
+//! Partial metadata (flags bit 0): a blob with only some regions (`getLocalPartialMD`), merged
+//! into what the reader already holds of the same agent generation, with the ids of regions the
+//! agent has released since.
+
+use std::collections::HashSet;
+
+use super::auth::{ClusterKey, TAG_LEN};
 
 /// Current format version.
-pub const VERSION: u16 = 3;
+pub const VERSION: u16 = 4;
 /// Most rails (NICs) a region can be registered on.
 pub const MAX_RAILS: usize = 8;
 const MAGIC: &[u8; 6] = b"RIXLMD";
@@ -122,9 +128,9 @@ pub enum MetadataError {
     /// Made by an incompatible version.
     #[error("metadata version {0} is not supported (this build reads {VERSION})")]
     IncompatibleVersion(u16),
-    /// The checksum does not match: corrupted or forged.
-    #[error("metadata checksum mismatch (corrupted or forged)")]
-    Checksum,
+    /// The tag does not match: forged, corrupted, or made with another cluster key.
+    #[error("forged metadata: its tag does not match (tampered, corrupted, or made with another cluster key)")]
+    Forged,
     /// Larger than the limits.
     #[error("metadata too large: {0}")]
     TooLarge(String),
@@ -133,11 +139,8 @@ pub enum MetadataError {
     Invalid(String),
 }
 
-fn fnv(data: &[u8]) -> u64 {
-    data.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
-        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-    })
-}
+/// The tag's domain separator.
+const TAG_LABEL: &str = "rixl/metadata/v4";
 
 fn put_str(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(&(s.len() as u16).to_be_bytes());
@@ -145,11 +148,11 @@ fn put_str(out: &mut Vec<u8>, s: &str) {
 }
 
 impl AgentMetadata {
-    /// Encodes the blob.
+    /// Encodes the blob, tagged with `key`.
     ///
     /// # Errors
     /// [`MetadataError::TooLarge`] if a field exceeds the format's limits.
-    pub fn encode(&self) -> Result<Vec<u8>, MetadataError> {
+    pub fn encode(&self, key: &ClusterKey) -> Result<Vec<u8>, MetadataError> {
         if self.name.len() > MAX_NAME || self.address.len() > MAX_NAME || self.node.len() > MAX_NAME
         {
             return Err(MetadataError::TooLarge(
@@ -179,7 +182,7 @@ impl AgentMetadata {
             + self.ipc.len() * IPC_BYTES
             + 4
             + self.removed.len() * 8
-            + 8;
+            + TAG_LEN;
         if size > MAX_BLOB {
             return Err(MetadataError::TooLarge(format!("{size} bytes")));
         }
@@ -217,17 +220,18 @@ impl AgentMetadata {
         for id in &self.removed {
             out.extend_from_slice(&id.to_be_bytes());
         }
-        let sum = fnv(&out);
-        out.extend_from_slice(&sum.to_be_bytes());
+        let tag = key.tag(TAG_LABEL, &[&out]);
+        out.extend_from_slice(&tag);
         debug_assert_eq!(out.len(), size);
         Ok(out)
     }
 
-    /// Decodes and validates a blob.
+    /// Decodes and validates a blob made by a holder of `key`.
     ///
     /// # Errors
-    /// A [`MetadataError`] naming what is wrong.
-    pub fn decode(b: &[u8]) -> Result<Self, MetadataError> {
+    /// A [`MetadataError`] naming what is wrong; [`MetadataError::Forged`] if the tag does not
+    /// match (checked before any field is read).
+    pub fn decode(b: &[u8], key: &ClusterKey) -> Result<Self, MetadataError> {
         if b.len() > MAX_BLOB {
             return Err(MetadataError::TooLarge(format!("{} bytes", b.len())));
         }
@@ -238,27 +242,22 @@ impl AgentMetadata {
             return Err(MetadataError::BadMagic);
         }
         let version = u16::from_be_bytes([b[6], b[7]]);
-        if !(1..=VERSION).contains(&version) {
+        if version != VERSION {
             return Err(MetadataError::IncompatibleVersion(version));
         }
         let total = u32::from_be_bytes([b[8], b[9], b[10], b[11]]) as usize;
         if b.len() < total {
             return Err(MetadataError::Truncated("shorter than its declared length"));
         }
-        if b.len() > total || total < 12 + 8 {
+        if b.len() > total || total < 12 + TAG_LEN {
             return Err(MetadataError::Invalid(format!(
                 "declared length {total}, got {}",
                 b.len()
             )));
         }
-        let (body, sum) = b.split_at(total - 8);
-        if fnv(body)
-            != u64::from_be_bytes(
-                sum.try_into()
-                    .map_err(|_| MetadataError::Truncated("checksum"))?,
-            )
-        {
-            return Err(MetadataError::Checksum);
+        let (body, tag) = b.split_at(total - TAG_LEN);
+        if !key.verify(TAG_LABEL, &[body], tag) {
+            return Err(MetadataError::Forged);
         }
         let mut r = Reader { b: body, at: 12 };
         let name = r.string()?;
@@ -267,45 +266,26 @@ impl AgentMetadata {
         }
         let generation = r.u64()?;
         let address = r.string()?;
-        let (node, process) = if version == 1 {
-            (String::new(), 0)
-        } else {
-            (r.string()?, r.u32()?)
-        };
-        let rails = if version == 1 {
-            1
-        } else {
-            usize::from(r.u8()?)
-        };
+        let node = r.string()?;
+        let process = r.u32()?;
+        let rails = usize::from(r.u8()?);
         if rails == 0 || rails > MAX_RAILS {
             return Err(MetadataError::Invalid(format!("{rails} rails")));
         }
-        let partial = if version >= 3 {
-            match r.u8()? {
-                0 => false,
-                1 => true,
-                f => return Err(MetadataError::Invalid(format!("flags {f:#x}"))),
-            }
-        } else {
-            false
+        let partial = match r.u8()? {
+            0 => false,
+            1 => true,
+            f => return Err(MetadataError::Invalid(format!("flags {f:#x}"))),
         };
         let count = r.u32()? as usize;
-        let ipc_tail = match version {
-            1 => 0,
-            2 => 4,
-            _ => 8,
-        };
-        if count
-            .saturating_mul(region_bytes(rails))
-            .saturating_add(ipc_tail)
-            > body.len() - r.at
-            || (version == 1 && count.saturating_mul(region_bytes(rails)) != body.len() - r.at)
-        {
+        // The IPC and removed counts (4 bytes each) follow the regions.
+        if count.saturating_mul(region_bytes(rails)).saturating_add(8) > body.len() - r.at {
             return Err(MetadataError::Invalid(format!(
                 "{count} regions do not fit the blob"
             )));
         }
         let mut regions = Vec::with_capacity(count);
+        let mut vram = HashSet::new();
         for _ in 0..count {
             let (id, addr, len, rkey) = (r.u64()?, r.u64()?, r.u64()?, r.u32()?);
             let mut rail_rkeys = [0u32; MAX_RAILS - 1];
@@ -320,6 +300,9 @@ impl AgentMetadata {
             if len == 0 || addr.checked_add(len).is_none() {
                 return Err(MetadataError::Invalid(format!("region {id}: bad range")));
             }
+            if kind == MemKind::Vram {
+                vram.insert(id);
+            }
             regions.push(RegionInfo {
                 id,
                 addr,
@@ -329,52 +312,39 @@ impl AgentMetadata {
                 rail_rkeys,
             });
         }
-        let mut ipc = Vec::new();
-        if version != 1 {
-            let n = r.u32()? as usize;
-            let rest = body.len() - r.at;
-            let fits = if version == 2 {
-                n.saturating_mul(IPC_BYTES) == rest
-            } else {
-                n.saturating_mul(IPC_BYTES).saturating_add(4) <= rest
-            };
-            if !fits {
-                return Err(MetadataError::Invalid(format!(
-                    "{n} IPC exports do not fit the blob"
-                )));
-            }
-            for _ in 0..n {
-                let (region, gpu) = (r.u64()?, r.u32()?);
-                let handle: [u8; 64] = r
-                    .take(64)?
-                    .try_into()
-                    .map_err(|_| MetadataError::Truncated("IPC handle"))?;
-                if !regions
-                    .iter()
-                    .any(|x| x.id == region && x.kind == MemKind::Vram)
-                {
-                    return Err(MetadataError::Invalid(format!(
-                        "IPC export for region {region}, which is not a VRAM region"
-                    )));
-                }
-                ipc.push(IpcExport {
-                    region,
-                    gpu,
-                    handle,
-                });
-            }
+        let n = r.u32()? as usize;
+        if n.saturating_mul(IPC_BYTES).saturating_add(4) > body.len() - r.at {
+            return Err(MetadataError::Invalid(format!(
+                "{n} IPC exports do not fit the blob"
+            )));
         }
-        let mut removed = Vec::new();
-        if version >= 3 {
-            let n = r.u32()? as usize;
-            if n.saturating_mul(8) != body.len() - r.at {
+        let mut ipc = Vec::with_capacity(n);
+        for _ in 0..n {
+            let (region, gpu) = (r.u64()?, r.u32()?);
+            let handle: [u8; 64] = r
+                .take(64)?
+                .try_into()
+                .map_err(|_| MetadataError::Truncated("IPC handle"))?;
+            if !vram.contains(&region) {
                 return Err(MetadataError::Invalid(format!(
-                    "{n} removed regions do not fit the blob"
+                    "IPC export for region {region}, which is not a VRAM region"
                 )));
             }
-            for _ in 0..n {
-                removed.push(r.u64()?);
-            }
+            ipc.push(IpcExport {
+                region,
+                gpu,
+                handle,
+            });
+        }
+        let n = r.u32()? as usize;
+        if n.saturating_mul(8) != body.len() - r.at {
+            return Err(MetadataError::Invalid(format!(
+                "{n} removed regions do not fit the blob"
+            )));
+        }
+        let mut removed = Vec::with_capacity(n);
+        for _ in 0..n {
+            removed.push(r.u64()?);
         }
         Ok(AgentMetadata {
             name,
@@ -440,6 +410,17 @@ impl Reader<'_> {
 mod tests {
     use super::*;
 
+    fn key() -> ClusterKey {
+        ClusterKey::from_bytes(b"a test cluster key, 32 bytes....").unwrap()
+    }
+
+    /// Re-tags a blob edited by a test (as a holder of the key could).
+    fn retag(blob: &mut [u8]) {
+        let body = blob.len() - TAG_LEN;
+        let tag = key().tag(TAG_LABEL, &[&blob[..body]]);
+        blob[body..].copy_from_slice(&tag);
+    }
+
     fn sample() -> AgentMetadata {
         AgentMetadata {
             name: "prefill-0".into(),
@@ -472,18 +453,16 @@ mod tests {
             removed: vec![7, 9],
             ..sample()
         };
-        let blob = m.encode().expect("encode");
-        assert_eq!(AgentMetadata::decode(&blob).expect("decode"), m);
+        let blob = m.encode(&key()).expect("encode");
+        assert_eq!(AgentMetadata::decode(&blob, &key()).expect("decode"), m);
         // The flags byte: after the header, name, generation, address, node, process, rails.
         let at = 12 + 2 + m.name.len() + 8 + 2 + m.address.len() + 2 + m.node.len() + 4 + 1;
         assert_eq!(blob[at], 1);
         let mut bad = blob.clone();
         bad[at] = 2;
-        let body = bad.len() - 8;
-        let sum = fnv(&bad[..body]);
-        bad[body..].copy_from_slice(&sum.to_be_bytes());
+        retag(&mut bad);
         assert!(matches!(
-            AgentMetadata::decode(&bad),
+            AgentMetadata::decode(&bad, &key()),
             Err(MetadataError::Invalid(_))
         ));
     }
@@ -492,7 +471,7 @@ mod tests {
     fn round_trips() {
         let m = sample();
         assert_eq!(
-            AgentMetadata::decode(&m.encode().expect("encode")).expect("decode"),
+            AgentMetadata::decode(&m.encode(&key()).expect("encode"), &key()).expect("decode"),
             m
         );
         let empty = AgentMetadata {
@@ -501,17 +480,17 @@ mod tests {
             ..sample()
         };
         assert_eq!(
-            AgentMetadata::decode(&empty.encode().expect("encode")).expect("decode"),
+            AgentMetadata::decode(&empty.encode(&key()).expect("encode"), &key()).expect("decode"),
             empty
         );
     }
 
     #[test]
     fn every_truncation_and_every_flipped_byte_is_rejected() {
-        let blob = sample().encode().expect("encode");
+        let blob = sample().encode(&key()).expect("encode");
         for cut in 0..blob.len() {
             assert!(
-                AgentMetadata::decode(&blob[..cut]).is_err(),
+                AgentMetadata::decode(&blob[..cut], &key()).is_err(),
                 "truncated at {cut} accepted"
             );
         }
@@ -519,76 +498,83 @@ mod tests {
             let mut forged = blob.clone();
             forged[i] ^= 0x40;
             assert!(
-                AgentMetadata::decode(&forged).is_err(),
+                AgentMetadata::decode(&forged, &key()).is_err(),
                 "flipped byte {i} accepted"
             );
         }
         let mut longer = blob.clone();
         longer.push(0);
-        assert!(AgentMetadata::decode(&longer).is_err());
+        assert!(AgentMetadata::decode(&longer, &key()).is_err());
     }
 
     #[test]
     fn typed_errors() {
-        let blob = sample().encode().expect("encode");
+        let blob = sample().encode(&key()).expect("encode");
         assert_eq!(
-            AgentMetadata::decode(b"GET / HTTP/1.1\r\n\r\n"),
+            AgentMetadata::decode(b"GET / HTTP/1.1\r\n\r\n", &key()),
             Err(MetadataError::BadMagic)
         );
-        let mut v4 = blob.clone();
-        v4[7] = 4;
-        assert_eq!(
-            AgentMetadata::decode(&v4),
-            Err(MetadataError::IncompatibleVersion(4))
-        );
+        // Version 3 blobs carried an FNV sum, no tag: refused, as are later versions.
+        for version in [3u16, 5] {
+            let mut other = blob.clone();
+            other[6..8].copy_from_slice(&version.to_be_bytes());
+            retag(&mut other);
+            assert_eq!(
+                AgentMetadata::decode(&other, &key()),
+                Err(MetadataError::IncompatibleVersion(version))
+            );
+        }
         let mut forged = blob.clone();
         let n = forged.len();
         forged[n - 20] ^= 1; // inside the last region's fields
-        assert_eq!(AgentMetadata::decode(&forged), Err(MetadataError::Checksum));
+        assert_eq!(
+            AgentMetadata::decode(&forged, &key()),
+            Err(MetadataError::Forged)
+        );
+        // The right bytes under another key: forged too (an agent of another cluster).
+        let other = ClusterKey::from_bytes(b"another cluster's key, 32 bytes.").unwrap();
+        assert_eq!(
+            AgentMetadata::decode(&blob, &other),
+            Err(MetadataError::Forged)
+        );
+        // A holder of no key cannot rename an agent: the name is under the tag.
+        let mut renamed = blob.clone();
+        renamed[14] = b'X';
+        assert_eq!(
+            AgentMetadata::decode(&renamed, &key()),
+            Err(MetadataError::Forged)
+        );
         assert!(matches!(
-            AgentMetadata::decode(&blob[..blob.len() - 1]),
+            AgentMetadata::decode(&blob[..blob.len() - 1], &key()),
             Err(MetadataError::Truncated(_))
         ));
         let long = AgentMetadata {
             name: "x".repeat(300),
             ..sample()
         };
-        assert!(matches!(long.encode(), Err(MetadataError::TooLarge(_))));
+        assert!(matches!(
+            long.encode(&key()),
+            Err(MetadataError::TooLarge(_))
+        ));
     }
 
     #[test]
-    fn a_single_rail_blob_of_version_1_is_still_read() {
-        // Version 1: no rails byte, one rkey per region.
-        let one = AgentMetadata {
-            rails: 1,
-            regions: sample()
-                .regions
-                .into_iter()
-                .map(|r| RegionInfo {
-                    rail_rkeys: [0; MAX_RAILS - 1],
-                    ..r
-                })
-                .collect(),
+    fn counts_larger_than_the_blob_are_refused_before_allocating() {
+        // A holder of the key (or a bug) states 2^32 - 1 regions in a small blob: refused by
+        // the bounds check, not by an allocation of 2^32 entries.
+        let m = AgentMetadata {
+            regions: vec![],
             ..sample()
         };
-        let one = AgentMetadata {
-            node: String::new(),
-            process: 0,
-            ..one
-        };
-        let v3 = one.encode().expect("encode");
-        // Rebuild it as version 1: drop node, process, rails and flags after the address and
-        // the empty IPC and removed sections at the end, then fix the length and sum.
-        let addr_end = 12 + 2 + one.name.len() + 8 + 2 + one.address.len();
-        let mut v1 = v3[..v3.len() - 8 - 4 - 4].to_vec();
-        let removed: Vec<u8> = v1.drain(addr_end..addr_end + 2 + 4 + 1 + 1).collect();
-        assert_eq!(removed, [0, 0, 0, 0, 0, 0, 1, 0]);
-        v1[7] = 1;
-        let total = (v1.len() + 8) as u32;
-        v1[8..12].copy_from_slice(&total.to_be_bytes());
-        let sum = fnv(&v1);
-        v1.extend_from_slice(&sum.to_be_bytes());
-        assert_eq!(AgentMetadata::decode(&v1).expect("v1 decodes"), one);
+        let mut blob = m.encode(&key()).expect("encode");
+        let at = 12 + 2 + m.name.len() + 8 + 2 + m.address.len() + 2 + m.node.len() + 4 + 1 + 1;
+        assert_eq!(&blob[at..at + 4], &[0, 0, 0, 0]);
+        blob[at..at + 4].copy_from_slice(&u32::MAX.to_be_bytes());
+        retag(&mut blob);
+        assert!(matches!(
+            AgentMetadata::decode(&blob, &key()),
+            Err(MetadataError::Invalid(_))
+        ));
         assert_eq!(sample().regions[1].rkey_on(1), 0x201);
     }
 
@@ -601,11 +587,11 @@ mod tests {
             gpu: 3,
             handle: [7; 64],
         }];
-        let blob = m.encode().expect("encode");
-        assert_eq!(AgentMetadata::decode(&blob).expect("decode"), m);
+        let blob = m.encode(&key()).expect("encode");
+        assert_eq!(AgentMetadata::decode(&blob, &key()).expect("decode"), m);
         m.ipc[0].region = 1; // a DRAM region
         assert!(matches!(
-            AgentMetadata::decode(&m.encode().expect("encode")),
+            AgentMetadata::decode(&m.encode(&key()).expect("encode"), &key()),
             Err(MetadataError::Invalid(_))
         ));
         assert_eq!(sample().regions[1].rkey_on(0), 0x101);

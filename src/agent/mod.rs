@@ -10,6 +10,7 @@
 //!   transport (RDMA, CUDA IPC, FILE) is picked per descriptor pair;
 //! - notifications.
 
+pub mod auth;
 mod cache;
 mod config;
 pub(crate) mod error;
@@ -36,6 +37,7 @@ use metadata::MAX_RAILS;
 use snapshot::{lock, Snapshot};
 
 pub use crate::runtime::{STRIPE_MIN, STRIPE_SLICE};
+pub use auth::{AuthError, ClusterKey};
 pub use config::{AgentConfig, RemoteRef, Visibility};
 pub use error::AgentError;
 pub use etcd::MembershipCounters;
@@ -44,6 +46,7 @@ pub use link::{LinkCounters, BACKOFF_MAX, BACKOFF_MIN};
 pub use notify::{Notification, Notifications, MAX_NOTIFICATION};
 pub use registry::{FileRegistration, MemoryInfo, Registration, RegistrationCounters, Released};
 pub use requests::{PreparedLocal, PreparedRemote, TransferRequest};
+pub use sidechannel::SideChannelCounters;
 
 pub(crate) struct Inner {
     name: String,
@@ -76,6 +79,19 @@ pub(crate) struct Inner {
     membership_counters: etcd::Counters,
     /// Told when this agent's metadata changes (membership PUTs it again).
     metadata_watchers: Mutex<Vec<mpsc::UnboundedSender<()>>>,
+    /// The cluster key this agent proves itself with (or the public one, insecure).
+    identity: auth::Identity,
+    /// The side channel's bounds.
+    limits: SideChannelLimits,
+    side_counters: sidechannel::Counters,
+}
+
+/// The side channel's bounds ([`AgentConfig::max_side_channel_connections`],
+/// [`AgentConfig::max_control_message`]).
+#[derive(Debug, Clone, Copy)]
+struct SideChannelLimits {
+    connections: usize,
+    message: usize,
 }
 
 /// Connections held by the engines and known to the agent ([`Agent::connection_census`]).
@@ -120,8 +136,16 @@ impl Agent {
     /// Starts an agent named `name` (unique in the cluster) with its engine.
     ///
     /// # Errors
-    /// [`AgentError::Runtime`] if the engine cannot start (no device, memlock, ...).
+    /// - [`AgentError::Auth`]: no cluster key ([`AgentConfig::cluster_key`], `RIXL_CLUSTER_KEY`
+    ///   or `RIXL_CLUSTER_KEY_FILE`) and not configured [`AgentConfig::insecure`], a bad key,
+    ///   or a name that cannot travel on the wire (empty, over 256 bytes, whitespace);
+    /// - [`AgentError::Runtime`] if the engine cannot start (no device, memlock, ...).
     pub fn new(name: &str, cfg: AgentConfig) -> Result<Agent, AgentError> {
+        auth::check_name(name)?;
+        let identity = auth::Identity::resolve(cfg.cluster_key.clone(), cfg.insecure)?;
+        if identity.insecure {
+            tracing::warn!(agent = %name, "agent configured INSECURE: peers' names are not authenticated and metadata is not protected");
+        }
         let ncpu = crate::runtime::available_cpus().len().max(1);
         let mut first = cfg.engine.clone();
         if cfg.rails.len() > 1 {
@@ -166,6 +190,12 @@ impl Agent {
                 membership: Mutex::new(None),
                 membership_counters: Default::default(),
                 metadata_watchers: Mutex::new(Vec::new()),
+                identity,
+                limits: SideChannelLimits {
+                    connections: cfg.max_side_channel_connections.max(1),
+                    message: cfg.max_control_message.max(1024),
+                },
+                side_counters: Default::default(),
             }),
         })
     }
@@ -221,6 +251,12 @@ impl Agent {
             engines,
             known: self.inner.conn_count(),
         }
+    }
+
+    /// What the side channel's server has seen: connections accepted and refused, clients
+    /// authenticated and refused, oversized lines, timeouts.
+    pub fn side_channel_counters(&self) -> SideChannelCounters {
+        self.inner.side_counters.snapshot()
     }
 
     /// Number of rails (NICs) this agent stripes over.

@@ -344,7 +344,7 @@ impl Agent {
     /// [`AgentError::SideChannel`] or [`AgentError::Metadata`].
     pub fn fetch_remote_metadata(&self, addr: &str) -> Result<String, AgentError> {
         let deadline = std::time::Instant::now() + self.inner.connect_timeout;
-        let blob = sidechannel::fetch_metadata(&self.inner.name, addr, deadline)?;
+        let blob = sidechannel::fetch_metadata(&self.inner, addr, None, deadline)?;
         self.load_remote_metadata(&blob)
     }
 
@@ -495,8 +495,27 @@ impl Inner {
     /// # Errors
     /// As [`Agent::load_remote_metadata`].
     pub(crate) fn load_metadata(&self, blob: &[u8]) -> Result<String, AgentError> {
-        let md = AgentMetadata::decode(blob)?;
+        self.load_metadata_as(blob, None)
+    }
+
+    /// Loads a peer's metadata blob that must be `expect`'s (when given): checked before
+    /// anything is loaded.
+    ///
+    /// # Errors
+    /// As [`Agent::load_remote_metadata`]; [`AgentError::WrongPeer`] for another agent's blob.
+    pub(crate) fn load_metadata_as(
+        &self,
+        blob: &[u8],
+        expect: Option<&str>,
+    ) -> Result<String, AgentError> {
+        let md = AgentMetadata::decode(blob, &self.identity.key)?;
         let name = md.name.clone();
+        if let Some(expected) = expect.filter(|e| *e != name) {
+            return Err(AgentError::WrongPeer {
+                expected: expected.to_string(),
+                found: name,
+            });
+        }
         let (stale, rejoined) = self.peers.update(|peers| {
             let old = peers.get(&name).cloned().unwrap_or_default();
             let rejoined = old.generation().is_some_and(|g| g != md.generation);

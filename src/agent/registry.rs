@@ -431,7 +431,9 @@ impl Agent {
     /// ```no_run
     /// # async fn f() -> Result<(), rixl::agent::AgentError> {
     /// use rixl::agent::{Agent, AgentConfig, Visibility};
-    /// let agent = Agent::new("decode", AgentConfig::default())?;
+    /// // The key the cluster's agents share (also read from RIXL_CLUSTER_KEY by default).
+    /// let key = rixl::agent::ClusterKey::from_hex(&std::env::var("MY_CLUSTER_KEY").unwrap())?;
+    /// let agent = Agent::new("decode", AgentConfig::default().with_cluster_key(key))?;
     /// // The KV cache, visible only to the prefill agent.
     /// let kv = agent.register(64 << 20, Visibility::Only(vec!["prefill".into()])).await?;
     /// println!("peers address it as region {}", kv.id());
@@ -513,7 +515,7 @@ impl Agent {
         {
             return Err(AgentError::UnknownLocalRegion(missing));
         }
-        Ok(md.encode()?)
+        Ok(md.encode(&self.inner.identity.key)?)
     }
 
     /// This agent's metadata as `reader` may see it: regions scoped to other agents are left out,
@@ -522,7 +524,10 @@ impl Agent {
     /// # Errors
     /// [`AgentError::Metadata`] if it exceeds the format's limits.
     pub fn local_metadata(&self, reader: &str) -> Result<Vec<u8>, AgentError> {
-        Ok(self.inner.metadata_for(reader).encode()?)
+        Ok(self
+            .inner
+            .metadata_for(reader)
+            .encode(&self.inner.identity.key)?)
     }
 }
 

@@ -84,7 +84,13 @@ fn line(name: &str, n: u64, r: &Run) -> String {
 
 fn main() -> Result<(), String> {
     let args = Args::parse();
-    let agent = Agent::new("regcache", AgentConfig::default()).map_err(|e| e.to_string())?;
+    let agent = Agent::new(
+        "regcache",
+        AgentConfig::default().with_cluster_key(
+            rixl::agent::ClusterKey::env_or_process_local().map_err(|e| e.to_string())?,
+        ),
+    )
+    .map_err(|e| e.to_string())?;
     if !agent.has_nic() {
         return Err(
             "no RDMA device: run it in the rxe guest (perf/benches/registration-cache)".into(),

@@ -477,9 +477,18 @@ impl Inner {
     }
 }
 
+/// A random 32-bit value from the OS's CSPRNG (initial PSNs: a peer cannot predict them).
+/// Falls back to the clock, hashed, should the OS source fail (it does not on Linux >= 3.17).
 fn rand_u32() -> u32 {
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    t.wrapping_mul(2_654_435_761)
+    let mut b = [0u8; 4];
+    match getrandom::getrandom(&mut b) {
+        Ok(()) => u32::from_ne_bytes(b),
+        Err(e) => {
+            tracing::warn!(error = %e, "no OS randomness; the initial PSN comes from the clock");
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_nanos())
+                .wrapping_mul(2_654_435_761)
+        }
+    }
 }
