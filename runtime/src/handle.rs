@@ -1,6 +1,7 @@
 //! A `Send` handle to an engine running on another core: each call ships a job to the core that
 //! owns the engine and resolves on the caller's side when the job's future ends there.
 
+use std::cell::RefCell;
 use std::future::Future;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -629,22 +630,83 @@ pub(crate) fn serve_core(
         engine,
         id,
     };
-    (handle, serve(served, rx))
+    let inbox = Rc::new(Inbox {
+        rx: RefCell::new(rx),
+        shutdown: RefCell::new(None),
+        waker: RefCell::new(None),
+    });
+    if let Some(e) = &served.engine {
+        let (served, inbox) = (served.clone(), Rc::clone(&inbox));
+        e.set_command_pump(Box::new(move || inbox.pump(&served)));
+    }
+    (handle, serve(served, inbox))
 }
 
-async fn serve(served: Served, mut rx: mpsc::UnboundedReceiver<Command>) {
-    while let Some(cmd) = rx.next().await {
-        match cmd {
-            Command::Run(job) => {
-                // The job only spawns its task (which contains its own panics); a panic here
-                // must not end the core's service either.
-                if let Err(p) = supervise::catching_sync(|| job(served.clone())) {
-                    let _ = contained(served.engine.as_ref(), p);
+/// The commands other threads sent to a core. Taken by the serving task when glommio wakes it,
+/// and by the progress loop at every turn ([`Inbox::pump`]), whichever comes first.
+struct Inbox {
+    rx: RefCell<mpsc::UnboundedReceiver<Command>>,
+    /// A shutdown the pump took, for the serving task to carry out.
+    shutdown: RefCell<Option<oneshot::Sender<()>>>,
+    /// The serving task, told of a shutdown the pump took.
+    waker: RefCell<Option<std::task::Waker>>,
+}
+
+impl Inbox {
+    /// Starts every command waiting (jobs only spawn their tasks, so this is quick); a
+    /// shutdown is left to the serving task.
+    fn pump(&self, served: &Served) {
+        loop {
+            let cmd = match self.rx.try_borrow_mut() {
+                Ok(mut rx) => match rx.try_recv() {
+                    Ok(cmd) => cmd,
+                    Err(_) => return,
+                },
+                Err(_) => return,
+            };
+            match cmd {
+                Command::Run(job) => run_job(served, job),
+                Command::Shutdown(done) => {
+                    *self.shutdown.borrow_mut() = Some(done);
+                    if let Some(w) = self.waker.borrow_mut().take() {
+                        w.wake();
+                    }
+                    return;
                 }
             }
+        }
+    }
+
+    /// The next command (a shutdown the pump took first).
+    async fn next(&self) -> Option<Command> {
+        std::future::poll_fn(|cx| {
+            if let Some(done) = self.shutdown.borrow_mut().take() {
+                return std::task::Poll::Ready(Some(Command::Shutdown(done)));
+            }
+            *self.waker.borrow_mut() = Some(cx.waker().clone());
+            self.rx.borrow_mut().poll_next(cx)
+        })
+        .await
+    }
+}
+
+/// Starts a job. It only spawns its task (which contains its own panics); a panic here must
+/// not end the core's service either.
+fn run_job(served: &Served, job: Job) {
+    if let Err(p) = supervise::catching_sync(|| job(served.clone())) {
+        let _ = contained(served.engine.as_ref(), p);
+    }
+}
+
+async fn serve(served: Served, inbox: Rc<Inbox>) {
+    while let Some(cmd) = inbox.next().await {
+        match cmd {
+            Command::Run(job) => run_job(&served, job),
             Command::Shutdown(done) => {
                 served.files.close_all().await;
                 if let Some(e) = served.engine {
+                    // The pump holds the engine: let go of it.
+                    e.clear_command_pump();
                     e.shutdown().await;
                 }
                 let _ = done.send(());

@@ -66,6 +66,8 @@ pub(crate) struct Inner {
     cq_failed: Cell<bool>,
     /// Tells the async event reader thread to stop (engine shutdown).
     events_stop: Arc<std::sync::atomic::AtomicBool>,
+    /// Takes the commands other threads sent to this core ([`Engine::set_command_pump`]).
+    pump: RefCell<Option<Box<dyn Fn()>>>,
 }
 
 /// A per-core transfer engine. Cheap to clone (all clones are the same engine); `!Send`.
@@ -159,11 +161,26 @@ impl Engine {
             port_up: Cell::new(true),
             cq_failed: Cell::new(false),
             events_stop: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            pump: RefCell::new(None),
         });
         glommio::spawn_local(progress::supervised(Rc::clone(&inner))).detach();
         events::start(&inner, inner.pd.context(), Arc::clone(&inner.events_stop));
         tracing::info!(engine = id, device = ?inner.cfg.device, "engine started");
         Ok(Engine { inner })
+    }
+
+    /// Installs `pump`, which takes the commands other threads sent to this core; the progress
+    /// loop calls it at every turn. glommio looks at wake-ups from other threads only when a
+    /// task queue runs dry or its 100 ms preemption timer fires, and the progress loop keeps
+    /// its queue busy while work (or a receive) is awaited: without the pump, a command sent
+    /// then could wait up to 100 ms to start.
+    pub(crate) fn set_command_pump(&self, pump: Box<dyn Fn()>) {
+        *self.inner.pump.borrow_mut() = Some(pump);
+    }
+
+    /// Removes the command pump (it holds the engine; the serving task's shutdown).
+    pub(crate) fn clear_command_pump(&self) {
+        self.inner.pump.borrow_mut().take();
     }
 
     /// Engine id (also the id of its protection domain's regions).

@@ -44,6 +44,9 @@ async fn run(inner: Rc<Inner>) {
     let mut wcs = vec![WorkCompletion::default(); batch];
     let mut out = vec![Completion::success(0, 0); batch];
     loop {
+        if let Some(pump) = inner.pump.borrow().as_ref() {
+            pump();
+        }
         let turn = inner.core.borrow_mut().next_turn();
         // Read the clock only every few iterations (clock reads are syscalls on some clock
         // sources); event-mode iterations are slow anyway.
