@@ -41,6 +41,12 @@ pub const COALESCE_MAX_WRS: usize = 4;
 /// in small groups rather than all at the end of the batch.
 pub const COALESCE_SIGNAL_INTERVAL: u32 = 8;
 
+/// Messages a connection holds for its reader. Past it, a receive buffer is posted again only
+/// as the reader takes a message: a sender that outpaces its reader meets receiver-not-ready
+/// back-pressure from the NIC (and, past its retries or its deadline, a typed error) instead of
+/// growing this side's memory.
+pub const INBOX_LIMIT: usize = 64;
+
 /// One queued work request of a coalesced transfer.
 #[derive(Debug, Clone)]
 pub(crate) struct QueuedWr {
@@ -63,6 +69,9 @@ pub(crate) struct Connection<Q> {
     pub credit_waiters: Vec<Waker>,
     pub inbox: VecDeque<Message>,
     pub inbox_waiter: Option<Waker>,
+    /// Receive buffers (work request id, index) held back while the inbox is over
+    /// [`INBOX_LIMIT`], posted again as the reader takes messages.
+    pub deferred_recvs: Vec<(u64, u32)>,
     pub max_msg: u64,
     pub max_send_sge: u32,
     /// Inline bytes per send request the queue pair was granted.
@@ -85,6 +94,7 @@ impl<Q> Connection<Q> {
             credit_waiters: Vec::new(),
             inbox: VecDeque::new(),
             inbox_waiter: None,
+            deferred_recvs: Vec::new(),
             max_msg: u64::from(u32::MAX),
             max_send_sge: params.max_send_sge,
             max_inline: u64::from(params.max_inline),

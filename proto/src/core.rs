@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use slab::Slab;
 use smallvec::SmallVec;
 
-use crate::conn::{unknown, ConnParams, ConnState, Connection};
+use crate::conn::{unknown, ConnParams, ConnState, Connection, INBOX_LIMIT};
 use crate::deadline::{Deadlines, Due};
 use crate::desc::{LocalDesc, Op, RegionInfo, RemoteDesc};
 use crate::error::TransferError;
@@ -286,6 +286,16 @@ impl<Q: SendQueue> Core<Q> {
             return Poll::Ready(Err(unknown(conn.0)));
         };
         if let Some(m) = c.inbox.pop_front() {
+            // Held back: one buffer per message over the limit.
+            if c.deferred_recvs.len() > c.inbox.len().saturating_sub(INBOX_LIMIT)
+                && !matches!(c.state, ConnState::Failed(_))
+            {
+                if let Some((wr_id, index)) = c.deferred_recvs.pop() {
+                    if let Err(e) = c.queue.repost_recv(wr_id, index) {
+                        tracing::warn!(conn = conn.0, error = %e, "reposting a held-back receive failed");
+                    }
+                }
+            }
             return Poll::Ready(Ok(m));
         }
         if let Err(e) = c.check_live(conn.0) {
@@ -554,7 +564,11 @@ impl<Q: SendQueue> Core<Q> {
             _ => Message::Data(c.queue.read_received(index, wc.byte_len), wc.imm),
         };
         c.inbox.push_back(msg);
-        if let Err(e) = c.queue.repost_recv(wc.wr_id, index) {
+        if c.inbox.len() > INBOX_LIMIT {
+            // The reader is behind: the buffer is posted again when it takes a message.
+            c.deferred_recvs.push((wc.wr_id, index));
+            self.counters.receives_held_back += 1;
+        } else if let Err(e) = c.queue.repost_recv(wc.wr_id, index) {
             tracing::warn!(conn, error = %e, "reposting a receive failed");
         }
         if let Some(w) = c.inbox_waiter.take() {

@@ -23,7 +23,9 @@ pub mod queue;
 pub mod stats;
 pub mod wire;
 
-pub use crate::conn::{ConnParams, ConnState, COALESCE_MAX_WRS, COALESCE_SIGNAL_INTERVAL};
+pub use crate::conn::{
+    ConnParams, ConnState, COALESCE_MAX_WRS, COALESCE_SIGNAL_INTERVAL, INBOX_LIMIT,
+};
 pub use crate::core::{recv_wr_id, Activity, Core, CoreConfig, RECV_BIT};
 pub use crate::deadline::{Deadline, Deadlines};
 pub use crate::desc::{LocalDesc, Op, RegionInfo, RemoteDesc, RemoteDescList};

@@ -199,6 +199,9 @@ pub struct EngineCounters {
     /// Times the progress task panicked and was restarted (each failed every connection of
     /// the engine, which are replaced on the next transfers).
     pub progress_restarts: u64,
+    /// Receive buffers held back because a connection's reader was over `INBOX_LIMIT`
+    /// messages behind (its sender met receiver-not-ready back-pressure).
+    pub receives_held_back: u64,
 }
 
 /// A message received on a connection.

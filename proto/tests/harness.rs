@@ -12,7 +12,7 @@ use rixl_proto::inflight::InflightTable;
 use rixl_proto::{
     recv_wr_id, Clock, Completion, ConnId, ConnParams, ConnState, Core, CoreConfig,
     InvalidDescriptor, LocalDesc, Message, Op, Plan, Posting, RegionInfo, RemoteDesc, SendOp, Sge,
-    TransferError, TransferOptions, WcOpcode, WcStatus,
+    TransferError, TransferOptions, WcOpcode, WcStatus, INBOX_LIMIT,
 };
 
 /// What a slot keeps alive: its strong count tells whether the core still holds it.
@@ -1214,6 +1214,42 @@ fn received_messages_are_delivered_in_order_and_their_buffers_reposted() {
         [recv_wr_id(fx.conn.0, 3), recv_wr_id(fx.conn.0, 4)]
     );
     assert_eq!(fx.nic.received(), [(3, 5)], "an immediate reads no buffer");
+}
+
+#[test]
+fn a_reader_that_falls_behind_holds_back_receive_buffers_past_the_inbox_limit() {
+    let mut fx = Fx::new();
+    let extra = 5u32;
+    let n = INBOX_LIMIT as u32 + extra;
+    for i in 0..n {
+        fx.nic.inject(recv(fx.conn, i, 1, WcOpcode::Recv, None));
+    }
+    fx.reap();
+    assert_eq!(
+        fx.nic.reposted().len(),
+        INBOX_LIMIT,
+        "buffers past the limit are held back: the sender meets RNR"
+    );
+    assert_eq!(fx.core.counters().receives_held_back, u64::from(extra));
+    let mut cx = Context::from_waker(Waker::noop());
+    // Each message taken posts one held-back buffer again, until none is held back.
+    for k in 1..=n {
+        assert!(matches!(
+            fx.core.poll_recv(fx.conn, &mut cx),
+            Poll::Ready(Ok(Message::Data(..)))
+        ));
+        let want = INBOX_LIMIT + (k as usize).min(extra as usize);
+        assert_eq!(fx.nic.reposted().len(), want, "after {k} taken");
+    }
+    assert!(fx.core.poll_recv(fx.conn, &mut cx).is_pending());
+    let mut all = fx.nic.reposted();
+    all.sort_unstable();
+    all.dedup();
+    assert_eq!(
+        all.len(),
+        n as usize,
+        "every buffer posted again exactly once"
+    );
 }
 
 #[test]

@@ -56,6 +56,9 @@ pub struct AgentConfig {
     /// The longest side-channel request line, in bytes (at least 1 KiB; replies of metadata
     /// are bounded by the metadata format instead).
     pub max_control_message: usize,
+    /// Notifications one peer may deliver per second (bursts of a tenth of it); a faster peer
+    /// is slowed by back-pressure, nothing is dropped.
+    pub notification_rate: u32,
 }
 
 impl AgentConfig {
@@ -85,6 +88,7 @@ impl Default for AgentConfig {
             insecure: false,
             max_side_channel_connections: 256,
             max_control_message: 1 << 20,
+            notification_rate: 100_000,
         }
     }
 }

@@ -23,7 +23,7 @@ mod notify;
 mod peers;
 pub(crate) mod registry;
 mod requests;
-mod sidechannel;
+pub(crate) mod sidechannel;
 mod snapshot;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -43,7 +43,7 @@ pub use error::AgentError;
 pub use etcd::MembershipCounters;
 pub use handle::{CallOptions, Transfer, TransferStatus};
 pub use link::{LinkCounters, BACKOFF_MAX, BACKOFF_MIN};
-pub use notify::{Notification, Notifications, MAX_NOTIFICATION};
+pub use notify::{Notification, Notifications, MAX_NOTIFICATION, NOTIFICATION_QUEUE};
 pub use registry::{FileRegistration, MemoryInfo, Registration, RegistrationCounters, Released};
 pub use requests::{PreparedLocal, PreparedRemote, TransferRequest};
 pub use sidechannel::SideChannelCounters;
@@ -65,7 +65,9 @@ pub(crate) struct Inner {
     ipc: IpcPaths,
     peers: Snapshot<peers::PeerMap>,
     address: Mutex<String>,
-    notif_tx: mpsc::UnboundedSender<Notification>,
+    notif_tx: mpsc::Sender<Notification>,
+    /// Notifications a peer may deliver per second ([`AgentConfig::notification_rate`]).
+    notification_rate: u32,
     notif_rx: Mutex<Option<Notifications>>,
     stopped: AtomicBool,
     /// Connection set-ups, their backoff, and retired connections.
@@ -162,7 +164,7 @@ impl Agent {
             )?);
         }
         let engines: Vec<EngineHandle> = pools.iter().map(|p| p.handles()[0].clone()).collect();
-        let (notif_tx, notif_rx) = mpsc::unbounded();
+        let (notif_tx, notif_rx) = mpsc::channel(notify::NOTIFICATION_QUEUE);
         let generation = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64)
@@ -182,6 +184,7 @@ impl Agent {
                 peers: Snapshot::new(Default::default()),
                 address: Mutex::new(String::new()),
                 notif_tx,
+                notification_rate: cfg.notification_rate,
                 notif_rx: Mutex::new(Some(notif_rx)),
                 stopped: AtomicBool::new(false),
                 links: link::Links::default(),

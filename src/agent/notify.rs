@@ -1,7 +1,16 @@
 //! Notifications: small messages between agents (NIXL's `genNotif`), sent on a peer's rail-0
 //! connection and delivered to the receiver's notification stream.
+//!
+//! Bounded end to end: the stream holds at most [`NOTIFICATION_QUEUE`] notifications, each
+//! connection's engine inbox at most `INBOX_LIMIT` messages, and each peer may deliver at most
+//! [`AgentConfig::notification_rate`](super::AgentConfig::notification_rate) per second. A
+//! peer's receiver waits while the stream is full or the peer is over its rate; its connection
+//! then stops posting receive buffers, and the sender meets receiver-not-ready back-pressure
+//! from the NIC: its `notify` waits, and ends typed at its deadline. Nothing is dropped, and a
+//! flooding peer slows only itself.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use futures_channel::mpsc;
 
@@ -17,7 +26,44 @@ pub const MAX_NOTIFICATION: usize = 4096;
 pub type Notification = (String, Vec<u8>);
 
 /// The notification stream (a `futures` `Stream` of [`Notification`]s).
-pub type Notifications = mpsc::UnboundedReceiver<Notification>;
+pub type Notifications = mpsc::Receiver<Notification>;
+
+/// Notifications the stream holds before the receivers wait for the application.
+pub const NOTIFICATION_QUEUE: usize = 1024;
+
+/// A token bucket: `rate` per second, bursts of up to `rate / 10` (at least 16).
+#[derive(Debug)]
+struct RateCap {
+    rate: f64,
+    burst: f64,
+    tokens: f64,
+    at: Instant,
+}
+
+impl RateCap {
+    fn new(rate: u32) -> Self {
+        let rate = f64::from(rate.max(1));
+        let burst = (rate / 10.0).max(16.0);
+        RateCap {
+            rate,
+            burst,
+            tokens: burst,
+            at: Instant::now(),
+        }
+    }
+
+    /// Takes one token: how long to wait first (zero when one is there).
+    fn take(&mut self, now: Instant) -> Duration {
+        let elapsed = now.saturating_duration_since(self.at).as_secs_f64();
+        self.at = now;
+        self.tokens = (self.tokens + elapsed * self.rate).min(self.burst) - 1.0;
+        if self.tokens >= 0.0 {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64(-self.tokens / self.rate)
+        }
+    }
+}
 
 impl Agent {
     /// Sends a standalone notification to `peer` (NIXL's `genNotif`).
@@ -78,20 +124,60 @@ impl Inner {
     /// connection ends.
     pub(crate) fn spawn_receiver(self: &Arc<Self>, peer: String, conn: ConnId) {
         let engine = self.rails.engine(0).clone();
-        let tx = self.notif_tx.clone();
-        std::thread::spawn(move || loop {
-            match futures_lite::future::block_on(engine.recv(conn)) {
-                Ok(Message::Data(d, _)) => {
-                    if tx.unbounded_send((peer.clone(), d)).is_err() {
+        let mut tx = self.notif_tx.clone();
+        let mut cap = RateCap::new(self.notification_rate);
+        let spawned = std::thread::Builder::new()
+            .name(format!("rixl-notify-{peer}"))
+            .spawn(move || loop {
+                match futures_lite::future::block_on(engine.recv(conn)) {
+                    Ok(Message::Data(d, _)) => {
+                        let wait = cap.take(Instant::now());
+                        if !wait.is_zero() {
+                            tracing::debug!(%peer, ?wait, "notification rate cap reached; waiting");
+                            std::thread::sleep(wait);
+                        }
+                        // Waits while the stream is full: back-pressure, nothing dropped.
+                        let ready =
+                            futures_lite::future::block_on(futures_lite::future::poll_fn(|cx| {
+                                tx.poll_ready(cx)
+                            }));
+                        if ready.is_err() || tx.start_send((peer.clone(), d)).is_err() {
+                            return;
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        tracing::debug!(%peer, error = %e, "notification receiver ended");
                         return;
                     }
                 }
-                Ok(_) => {}
-                Err(e) => {
-                    tracing::debug!(%peer, error = %e, "notification receiver ended");
-                    return;
-                }
-            }
-        });
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "cannot start a notification receiver; its peer's notifications wait");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_rate_cap_allows_its_burst_then_paces_to_its_rate() {
+        let mut cap = RateCap::new(1000); // burst 100
+        let t0 = Instant::now();
+        for _ in 0..100 {
+            assert_eq!(cap.take(t0), Duration::ZERO);
+        }
+        let wait = cap.take(t0);
+        assert!(
+            wait > Duration::ZERO && wait <= Duration::from_millis(1),
+            "{wait:?}"
+        );
+        // 10 ms later: 10 tokens came back (less the one owed).
+        let later = t0 + Duration::from_millis(10);
+        let waits: Vec<_> = (0..10).map(|_| cap.take(later)).collect();
+        assert!(waits[..9].iter().all(|w| w.is_zero()), "{waits:?}");
+        assert!(!waits[9].is_zero());
     }
 }
