@@ -47,6 +47,9 @@ pub enum Error {
     /// `ibv_alloc_pd` failed (with the OS error).
     #[error("ibv_alloc_pd failed: {0}")]
     AllocPd(#[source] io::Error),
+    /// `ibv_alloc_mw` failed (with the OS error): no memory-window support, or no resources.
+    #[error("ibv_alloc_mw failed: {0}")]
+    AllocMw(#[source] io::Error),
     /// `ibv_reg_mr` failed (with the OS error).
     #[error("ibv_reg_mr failed: {0}")]
     RegisterMemory(#[source] io::Error),

@@ -5,6 +5,10 @@
 //! symbols compiled with `cc`); it builds with libclang 14 and 19. This is the only crate of the
 //! workspace that touches ibverbs.
 //!
+//! Grants enforced by the NIC: a [`MemoryWindow`] (type 2) bound on one queue pair with
+//! [`QueuePair::post_bind_window`] lets only that queue pair's peer reach part of a region, with
+//! the access it was bound with, until [`QueuePair::post_invalidate`].
+//!
 //! RAII types keep their parents alive: a [`QueuePair`] holds its [`ProtectionDomain`] and
 //! [`CompletionQueue`]s, which hold their [`Context`]. Every raw handle is reachable through
 //! `as_raw()`.
@@ -16,6 +20,7 @@ mod error;
 mod event;
 mod host;
 mod mr;
+mod mw;
 mod pd;
 mod qp;
 mod sys;
@@ -39,6 +44,7 @@ pub use mr::{
     AccessFlags, HostMemory, MemoryRegion, OwnedRegistration, Registered, RegisteredBuffer,
     SharedRegistration,
 };
+pub use mw::MemoryWindow;
 pub use pd::ProtectionDomain;
 pub use qp::{ConnectOptions, Endpoint, QueuePair, QueuePairCapabilities, QueuePairState};
 pub use wc::{WcOpcode, WcStatus, WorkCompletion};

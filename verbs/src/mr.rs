@@ -23,6 +23,9 @@ impl AccessFlags {
     pub const REMOTE_READ: Self = Self(sys::ibv_access_flags::IBV_ACCESS_REMOTE_READ);
     /// Peers may run atomics on the region.
     pub const REMOTE_ATOMIC: Self = Self(sys::ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC);
+    /// Memory windows may be bound to the region ([`crate::MemoryWindow`]): the grants of
+    /// its windows, not the region's own rkey, then decide what peers reach.
+    pub const MW_BIND: Self = Self(sys::ibv_access_flags::IBV_ACCESS_MW_BIND);
     /// Allow relaxed PCIe ordering (faster on some platforms).
     pub const RELAXED_ORDERING: Self = Self(sys::ibv_access_flags::IBV_ACCESS_RELAXED_ORDERING);
     /// Local write plus remote read and write: what a transfer buffer usually needs.
@@ -57,6 +60,7 @@ impl fmt::Debug for AccessFlags {
             (Self::REMOTE_WRITE, "REMOTE_WRITE"),
             (Self::REMOTE_READ, "REMOTE_READ"),
             (Self::REMOTE_ATOMIC, "REMOTE_ATOMIC"),
+            (Self::MW_BIND, "MW_BIND"),
             (Self::RELAXED_ORDERING, "RELAXED_ORDERING"),
         ];
         let set: Vec<_> = names

@@ -8,7 +8,8 @@ use crate::context::{Gid, Mtu};
 use crate::cq::CompletionQueue;
 use crate::error::{Error, Result};
 use crate::mr::AccessFlags;
-use crate::mr::OwnedRegistration;
+use crate::mr::{MemoryRegion, OwnedRegistration};
+use crate::mw::MemoryWindow;
 use crate::pd::ProtectionDomain;
 use crate::sys;
 use crate::wr::{RecvBatch, SendBatch};
@@ -591,6 +592,100 @@ impl QueuePair {
         batch.check_inside(buffers)?;
         // SAFETY: as in `post_send_in`.
         unsafe { self.post_recv(batch) }
+    }
+
+    /// Posts a bind of `window` to `len` bytes at `addr` of `region` on this queue pair,
+    /// granting `access` (of [`AccessFlags::REMOTE_READ`], [`AccessFlags::REMOTE_WRITE`],
+    /// [`AccessFlags::REMOTE_ATOMIC`]) to this queue pair's peer only. Returns the rkey the
+    /// peer addresses the window with; the grant holds once the bind's completion (`wr_id`,
+    /// always signaled) arrives, and ends with [`Self::post_invalidate`] of that rkey or when
+    /// the window is dropped.
+    ///
+    /// A bind that completes in error leaves the window's key out of step with the device's:
+    /// drop that window and allocate another.
+    ///
+    /// # Safety
+    /// `region` must stay registered (not dropped) while the window is bound: the peer reaches
+    /// its memory through the window until the invalidation's completion arrived or the window
+    /// was dropped.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for an empty range, one outside `region`, or local access
+    /// flags; [`Error::PostSend`] if the provider refuses (no room in the send queue, or the
+    /// region was registered without [`AccessFlags::MW_BIND`]).
+    pub unsafe fn post_bind_window(
+        &self,
+        window: &mut MemoryWindow,
+        region: &MemoryRegion,
+        addr: u64,
+        len: u64,
+        access: AccessFlags,
+        wr_id: u64,
+    ) -> Result<u32> {
+        let remote =
+            AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC;
+        let inside = addr >= region.addr()
+            && addr
+                .checked_add(len)
+                .is_some_and(|end| end <= region.addr() + region.len() as u64);
+        if len == 0 || !inside || !remote.contains(access) {
+            return Err(Error::InvalidArgument(format!(
+                "window bind of {len} bytes at {addr:#x} with {access:?}: the range must be \
+                 non-empty and inside the region, the access remote only"
+            )));
+        }
+        let rkey = window.next_rkey();
+        let mut wr = sys::ibv_send_wr {
+            wr_id,
+            opcode: sys::ibv_wr_opcode::IBV_WR_BIND_MW,
+            send_flags: sys::ibv_send_flags::IBV_SEND_SIGNALED,
+            ..Default::default()
+        };
+        wr.__bindgen_anon_2.bind_mw = sys::ibv_send_wr__bindgen_ty_4__bindgen_ty_1 {
+            mw: window.as_raw(),
+            rkey,
+            bind_info: sys::ibv_mw_bind_info {
+                mr: region.as_raw(),
+                addr,
+                length: len,
+                mw_access_flags: access.bits(),
+            },
+        };
+        // Posted naming the window by its current key; the new one is its key from now on.
+        self.post_one(&mut wr)?;
+        window.set_rkey(rkey);
+        Ok(rkey)
+    }
+
+    /// Posts a local invalidation of `rkey`, the key of a window bound on this queue pair:
+    /// once its completion (`wr_id`, always signaled) arrives, the key grants nothing.
+    ///
+    /// # Errors
+    /// [`Error::PostSend`] if the provider refuses.
+    pub fn post_invalidate(&self, rkey: u32, wr_id: u64) -> Result<()> {
+        let mut wr = sys::ibv_send_wr {
+            wr_id,
+            opcode: sys::ibv_wr_opcode::IBV_WR_LOCAL_INV,
+            send_flags: sys::ibv_send_flags::IBV_SEND_SIGNALED,
+            ..Default::default()
+        };
+        wr.__bindgen_anon_1.invalidate_rkey = rkey;
+        self.post_one(&mut wr)
+    }
+
+    /// Posts one request that references no local memory.
+    fn post_one(&self, wr: &mut sys::ibv_send_wr) -> Result<()> {
+        let mut bad: *mut sys::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: `wr` is one well-formed request (its `next` is null) with no scatter/gather
+        // entries, alive for the call.
+        let rc = unsafe { sys::ibv_post_send(self.raw.as_ptr(), wr, &mut bad) };
+        if rc != 0 {
+            return Err(Error::PostSend {
+                index: 0,
+                source: std::io::Error::from_raw_os_error(rc.abs()),
+            });
+        }
+        Ok(())
     }
 
     /// The raw `ibv_qp`.

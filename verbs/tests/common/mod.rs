@@ -1,5 +1,5 @@
 //! Verbs-level pieces of the RDMA integration tests (generic ones live in `rixl-testkit`).
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 use std::time::{Duration, Instant};
 
