@@ -114,10 +114,13 @@ pub struct ImportedMemory {
 
 impl ImportedMemory {
     /// Opens `handle` (exported by another process on this node) in `gpu`'s context. `len` is the
-    /// exported length, as the peer's metadata states it.
+    /// exported length, as the peer's metadata states it: checked against the allocation the
+    /// handle opens, so a peer that states more cannot drive copies past its memory.
     ///
     /// # Errors
-    /// [`IpcError::Driver`] for a stale or foreign handle (e.g. the exporter exited).
+    /// [`IpcError::Driver`] for a stale or foreign handle (e.g. the exporter exited);
+    /// [`IpcError::OutOfRange`] (`side` "imported") if `len` is 0 or exceeds the allocation
+    /// from the opened address on (the handle is closed again).
     pub fn open(
         gpu: &Arc<Gpu>,
         handle: &IpcHandle,
@@ -133,11 +136,28 @@ impl ImportedMemory {
         check("cuIpcOpenMemHandle", unsafe {
             sys::cuIpcOpenMemHandle_v2(&mut ptr, h, 1)
         })?;
-        Ok(ImportedMemory {
+        // Closed by its drop if the stated length is refused below.
+        let opened = ImportedMemory {
             gpu: Arc::clone(gpu),
             ptr,
             len,
-        })
+        };
+        let (mut base, mut size) = (0, 0usize);
+        // SAFETY: the context is current; `base` and `size` are valid out-pointers; `ptr` was
+        // just opened in this context.
+        check("cuMemGetAddressRange", unsafe {
+            sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
+        })?;
+        let available = (size as u64).saturating_sub(ptr - base) as usize;
+        if len == 0 || len > available {
+            return Err(IpcError::OutOfRange {
+                side: "imported",
+                offset: 0,
+                len,
+                size: available,
+            });
+        }
+        Ok(opened)
     }
 }
 

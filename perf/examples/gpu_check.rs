@@ -101,6 +101,14 @@ fn child(opts: &Opts, handle: &str) -> Result<(), BoxError> {
     let len = opts.mib << 20;
     let iters = opts.iters;
     let gpu = Gpu::open(opts.gpu)?;
+    // A peer that states more than it exported is refused (the handle is closed again).
+    match ImportedMemory::open(&gpu, &IpcHandle::from_bytes(&bytes)?, len + (64 << 20)) {
+        Err(rixl::nvlink::ipc::IpcError::OutOfRange { len: l, size, .. }) => println!(
+            "  CUDA IPC: a stated length of {l} bytes over the {size}-byte export is refused"
+        ),
+        Ok(_) => return Err("an IPC import longer than its allocation was accepted".into()),
+        Err(e) => return Err(format!("an over-long IPC import failed untyped: {e}").into()),
+    }
     let imported: Arc<dyn DeviceRange> = Arc::new(ImportedMemory::open(
         &gpu,
         &IpcHandle::from_bytes(&bytes)?,
