@@ -3,6 +3,9 @@
 #![warn(missing_docs)]
 
 pub mod agent;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 mod transport;
 
 /// The ibverbs layer (`rixl-verbs`): devices, protection domains, memory regions, queue pairs.

@@ -232,6 +232,26 @@ impl AgentMetadata {
     /// A [`MetadataError`] naming what is wrong; [`MetadataError::Forged`] if the tag does not
     /// match (checked before any field is read).
     pub fn decode(b: &[u8], key: &ClusterKey) -> Result<Self, MetadataError> {
+        let (body, tag) = Self::frame(b)?;
+        if !key.verify(TAG_LABEL, &[body], tag) {
+            return Err(MetadataError::Forged);
+        }
+        Self::parse(body)
+    }
+
+    /// Decodes a blob without checking its tag: for the fuzz targets, which reach the body's
+    /// parser only this way.
+    ///
+    /// # Errors
+    /// As [`Self::decode`], never [`MetadataError::Forged`].
+    #[cfg(feature = "fuzzing")]
+    #[doc(hidden)]
+    pub fn decode_untagged(b: &[u8]) -> Result<Self, MetadataError> {
+        Self::parse(Self::frame(b)?.0)
+    }
+
+    /// The blob's checked header: its body (header included) and its tag.
+    fn frame(b: &[u8]) -> Result<(&[u8], &[u8]), MetadataError> {
         if b.len() > MAX_BLOB {
             return Err(MetadataError::TooLarge(format!("{} bytes", b.len())));
         }
@@ -255,10 +275,11 @@ impl AgentMetadata {
                 b.len()
             )));
         }
-        let (body, tag) = b.split_at(total - TAG_LEN);
-        if !key.verify(TAG_LABEL, &[body], tag) {
-            return Err(MetadataError::Forged);
-        }
+        Ok(b.split_at(total - TAG_LEN))
+    }
+
+    /// The body after its header was checked.
+    fn parse(body: &[u8]) -> Result<Self, MetadataError> {
         let mut r = Reader { b: body, at: 12 };
         let name = r.string()?;
         if name.is_empty() {

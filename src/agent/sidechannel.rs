@@ -142,6 +142,83 @@ impl Exchange<'_> {
     }
 }
 
+// ---- lines ---------------------------------------------------------------------------------
+
+/// A client's hello: its claimed name and its nonce (`None`: malformed).
+pub(crate) fn parse_hello(line: &str) -> Option<(&str, [u8; NONCE_LEN])> {
+    let mut f = line.split(' ');
+    match (f.next(), f.next(), f.next(), f.next(), f.next()) {
+        (Some(VERSION), Some("HELLO"), Some(name), Some(nonce), None) => {
+            auth::check_name(name).ok()?;
+            Some((name, fixed_hex::<NONCE_LEN>(nonce)?))
+        }
+        _ => None,
+    }
+}
+
+/// A server's challenge: its name, then its nonce and proof (`None` each when malformed).
+pub(crate) struct Challenge<'a> {
+    name: &'a str,
+    nonce: Option<[u8; NONCE_LEN]>,
+    proof: Option<[u8; TAG_LEN]>,
+}
+
+/// A server's challenge line (`None`: not a rixl side channel).
+pub(crate) fn parse_challenge(line: &str) -> Option<Challenge<'_>> {
+    let mut f = line.split(' ');
+    match (f.next(), f.next(), f.next(), f.next(), f.next(), f.next()) {
+        (Some(VERSION), Some("CHALLENGE"), Some(name), Some(nonce), Some(proof), None) => {
+            Some(Challenge {
+                name,
+                nonce: fixed_hex::<NONCE_LEN>(nonce),
+                proof: fixed_hex::<TAG_LEN>(proof),
+            })
+        }
+        _ => None,
+    }
+}
+
+/// A line that starts with a proof: the proof (`None` when it is not one) and the rest.
+pub(crate) fn split_proof(line: &str) -> (Option<[u8; TAG_LEN]>, &str) {
+    let (proof, rest) = line.split_once(' ').unwrap_or((line, ""));
+    (fixed_hex::<TAG_LEN>(proof), rest)
+}
+
+/// An authenticated client's request.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Request<'a> {
+    /// `MD`: the metadata we grant it.
+    Metadata,
+    /// `CONNECT <endpoint hex> <rail> <generation>`: a connection on `rail`.
+    Connect {
+        endpoint: &'a str,
+        rail: usize,
+        generation: u64,
+    },
+}
+
+/// A request line.
+///
+/// # Errors
+/// [`AgentError::SideChannel`] for an unknown or malformed request.
+pub(crate) fn parse_request(request: &str) -> Result<Request<'_>, AgentError> {
+    let mut f = request.split(' ');
+    match (f.next(), f.next(), f.next(), f.next(), f.next()) {
+        (Some("MD"), None, ..) => Ok(Request::Metadata),
+        (Some("CONNECT"), Some(endpoint), Some(rail), Some(generation), None) => {
+            match (rail.parse::<usize>(), generation.parse::<u64>()) {
+                (Ok(rail), Ok(generation)) => Ok(Request::Connect {
+                    endpoint,
+                    rail,
+                    generation,
+                }),
+                _ => Err(sc("bad rail or generation")),
+            }
+        }
+        _ => Err(sc("unknown request")),
+    }
+}
+
 // ---- client --------------------------------------------------------------------------------
 
 /// A side-channel client stream to `addr`, connected by `deadline`.
@@ -236,14 +313,13 @@ fn exchange(
     if let Some(reason) = line.strip_prefix("ERR ") {
         return Err(AgentError::SideChannel(format!("{addr}: {reason}")));
     }
-    let f: Vec<&str> = line.split(' ').collect();
-    let (server, server_nonce, proof) = match f.as_slice() {
-        [v, "CHALLENGE", name, nonce, proof] if *v == VERSION => (
-            *name,
-            fixed_hex::<NONCE_LEN>(nonce),
-            fixed_hex::<TAG_LEN>(proof),
-        ),
-        _ => return Err(sc(format!("{addr}: not a rixl side channel"))),
+    let Some(Challenge {
+        name: server,
+        nonce: server_nonce,
+        proof,
+    }) = parse_challenge(&line)
+    else {
+        return Err(sc(format!("{addr}: not a rixl side channel")));
     };
     let forged = || {
         AgentError::Auth(AuthError::Forged {
@@ -282,8 +358,8 @@ fn exchange(
             reason: reason.to_string(),
         }));
     }
-    let (proof, reply) = line.split_once(' ').unwrap_or((&line, ""));
-    let proven = fixed_hex::<TAG_LEN>(proof).is_some_and(|p| {
+    let (proof, reply) = split_proof(&line);
+    let proven = proof.is_some_and(|p| {
         key.verify(
             REPLY_PROOF,
             &x.fields(&[request.as_bytes(), reply.as_bytes()]),
@@ -509,15 +585,7 @@ async fn serve(
             return Err(e);
         }
     };
-    let f: Vec<&str> = hello.split(' ').collect();
-    let parsed = match f.as_slice() {
-        [v, "HELLO", name, nonce] if *v == VERSION => auth::check_name(name)
-            .ok()
-            .and(fixed_hex::<NONCE_LEN>(nonce))
-            .map(|n| (*name, n)),
-        _ => None,
-    };
-    let Some((client, client_nonce)) = parsed else {
+    let Some((client, client_nonce)) = parse_hello(&hello) else {
         Counters::bump(&counters.malformed);
         refuse(&mut w, "bad hello").await;
         return Err(sc(format!("{from}: bad hello")));
@@ -554,9 +622,9 @@ async fn serve(
             return Err(e);
         }
     };
-    let (proof, request) = line.split_once(' ').unwrap_or((&line, ""));
-    let proven = fixed_hex::<TAG_LEN>(proof)
-        .is_some_and(|p| key.verify(CLIENT_PROOF, &x.fields(&[request.as_bytes()]), &p));
+    let (proof, request) = split_proof(&line);
+    let proven =
+        proof.is_some_and(|p| key.verify(CLIENT_PROOF, &x.fields(&[request.as_bytes()]), &p));
     if !proven {
         Counters::bump(&counters.auth_failures);
         tracing::warn!(agent = %inner.name, %from, claimed = %client, "side channel: a client failed authentication (no or another cluster key); refused");
@@ -591,20 +659,18 @@ async fn serve(
 
 /// The reply to an authenticated `requester`'s request.
 async fn answer(inner: &Arc<Inner>, requester: &str, request: &str) -> Result<String, AgentError> {
-    let f: Vec<&str> = request.split(' ').collect();
-    match f.as_slice() {
-        ["MD"] => Ok(hex::encode(
+    match parse_request(request)? {
+        Request::Metadata => Ok(hex::encode(
             inner.metadata_for(requester).encode(&inner.identity.key)?,
         )),
-        ["CONNECT", ep, rail, generation] => {
-            let (Ok(rail), Ok(generation)) = (rail.parse::<usize>(), generation.parse::<u64>())
-            else {
-                return Err(sc("bad rail or generation"));
-            };
-            let mine = accept_connection(inner, requester, ep, rail, generation).await?;
+        Request::Connect {
+            endpoint,
+            rail,
+            generation,
+        } => {
+            let mine = accept_connection(inner, requester, endpoint, rail, generation).await?;
             Ok(hex::encode(mine.to_bytes()))
         }
-        _ => Err(sc("unknown request")),
     }
 }
 
