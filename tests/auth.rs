@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use rixl::agent::metadata::MetadataError;
 use rixl::agent::{Agent, AgentConfig, AgentError, AuthError, ClusterKey};
+use rixl_testkit::rss_kib;
 
 fn config(key: Option<ClusterKey>) -> AgentConfig {
     let mut cfg = AgentConfig::default();
@@ -222,15 +223,6 @@ fn hostile_garbage_on_the_side_channel_gets_typed_refusals_and_the_agent_serves_
     assert!(c.oversized >= 1 && c.malformed >= 6, "{c:?}");
     a.shutdown();
     b.shutdown();
-}
-
-fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
 }
 
 #[test]

@@ -10,7 +10,7 @@ use futures_lite::future::block_on;
 use futures_lite::StreamExt;
 use rixl::agent::{Agent, AgentConfig, AgentError, RemoteRef, Visibility, NOTIFICATION_QUEUE};
 use rixl::runtime::LocalDescList;
-use rixl_testkit::{init_logs, report, require_or_skip};
+use rixl_testkit::{init_logs, report, require_or_skip, rss_kib};
 
 fn config(cpu: usize) -> AgentConfig {
     init_logs();
@@ -20,15 +20,6 @@ fn config(cpu: usize) -> AgentConfig {
     cfg.engine.connect.timeout = 12;
     cfg.engine.connect.retry_cnt = 3;
     cfg
-}
-
-fn rss_kib() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
 }
 
 #[test]

@@ -533,6 +533,56 @@ async fn read_line_async<R: tokio::io::AsyncBufRead + Unpin>(
     String::from_utf8(buf).map_err(|_| LineError::NotUtf8)
 }
 
+/// A refusal the client can read, then the connection closes.
+async fn refuse(w: &mut tokio::net::tcp::OwnedWriteHalf, reason: &str) {
+    let _ = w.write_all(format!("ERR {reason}\n").as_bytes()).await;
+    let _ = w.shutdown().await;
+}
+
+/// Reads one line of at most `limit` bytes from the client at `from`. A line refused for its
+/// size or its form is answered (`ERR ...`) before the connection closes; each refusal is
+/// counted.
+async fn read_or_refuse(
+    inner: &Inner,
+    from: SocketAddr,
+    r: &mut tokio::io::BufReader<tokio::net::tcp::OwnedReadHalf>,
+    w: &mut tokio::net::tcp::OwnedWriteHalf,
+    limit: usize,
+) -> Result<String, AgentError> {
+    let counters = &inner.side_counters;
+    let (e, answer) = match read_line_async(r, limit).await {
+        Ok(l) => return Ok(l),
+        Err(LineError::Closed) => (sc(format!("{from} closed the side channel")), None),
+        Err(LineError::TooLarge) => {
+            Counters::bump(&counters.oversized);
+            tracing::warn!(agent = %inner.name, %from, limit, "side channel: a line over its size limit; connection closed");
+            let e = AgentError::MessageTooLarge {
+                addr: from.to_string(),
+                limit,
+            };
+            (e, Some("message too large"))
+        }
+        Err(LineError::NotUtf8) => {
+            Counters::bump(&counters.malformed);
+            (
+                sc(format!("{from}: a line that is not UTF-8")),
+                Some("malformed line"),
+            )
+        }
+        Err(LineError::Io(source)) => (
+            AgentError::SideChannelIo {
+                addr: from.to_string(),
+                source,
+            },
+            None,
+        ),
+    };
+    if let Some(reason) = answer {
+        refuse(w, reason).await;
+    }
+    Err(e)
+}
+
 /// Serves one connection: the handshake, one request.
 async fn serve(
     inner: &Arc<Inner>,
@@ -547,44 +597,7 @@ async fn serve(
         addr: from.to_string(),
         source,
     };
-    // A refusal the client can read, then the connection closes.
-    async fn refuse(w: &mut tokio::net::tcp::OwnedWriteHalf, reason: &str) {
-        let _ = w.write_all(format!("ERR {reason}\n").as_bytes()).await;
-        let _ = w.shutdown().await;
-    }
-    let line_error = |e: LineError, limit: usize| match e {
-        LineError::Closed => sc(format!("{from} closed the side channel")),
-        LineError::TooLarge => {
-            Counters::bump(&counters.oversized);
-            tracing::warn!(agent = %inner.name, %from, limit, "side channel: a line over its size limit; connection closed");
-            AgentError::MessageTooLarge {
-                addr: from.to_string(),
-                limit,
-            }
-        }
-        LineError::NotUtf8 => {
-            Counters::bump(&counters.malformed);
-            sc(format!("{from}: a line that is not UTF-8"))
-        }
-        LineError::Io(e) => io(e),
-    };
-    // Refused lines the client can be told about.
-    let answerable = |e: &AgentError| match e {
-        AgentError::MessageTooLarge { .. } => Some("message too large"),
-        AgentError::SideChannel(_) => Some("malformed line"),
-        _ => None,
-    };
-    let hello = match read_line_async(&mut r, HELLO_MAX).await {
-        Ok(l) => l,
-        Err(e) => {
-            let closed = matches!(e, LineError::Closed);
-            let e = line_error(e, HELLO_MAX);
-            if let Some(reason) = answerable(&e).filter(|_| !closed) {
-                refuse(&mut w, reason).await;
-            }
-            return Err(e);
-        }
-    };
+    let hello = read_or_refuse(inner, from, &mut r, &mut w, HELLO_MAX).await?;
     let Some((client, client_nonce)) = parse_hello(&hello) else {
         Counters::bump(&counters.malformed);
         refuse(&mut w, "bad hello").await;
@@ -610,18 +623,7 @@ async fn serve(
     )
     .await
     .map_err(io)?;
-    let limit = inner.limits.message;
-    let line = match read_line_async(&mut r, limit).await {
-        Ok(l) => l,
-        Err(e) => {
-            let closed = matches!(e, LineError::Closed);
-            let e = line_error(e, limit);
-            if let Some(reason) = answerable(&e).filter(|_| !closed) {
-                refuse(&mut w, reason).await;
-            }
-            return Err(e);
-        }
-    };
+    let line = read_or_refuse(inner, from, &mut r, &mut w, inner.limits.message).await?;
     let (proof, request) = split_proof(&line);
     let proven =
         proof.is_some_and(|p| key.verify(CLIENT_PROOF, &x.fields(&[request.as_bytes()]), &p));

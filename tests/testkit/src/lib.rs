@@ -79,6 +79,16 @@ pub fn quiet_injected_panics() {
     });
 }
 
+/// This process's resident set size in KiB (`VmRSS`; 0 when it cannot be read).
+pub fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
+}
+
 /// Prints a measurement line past libtest's output capture.
 pub fn report(line: &str) {
     let _ = writeln!(std::io::stderr(), "{line}");
