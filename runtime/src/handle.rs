@@ -632,7 +632,8 @@ pub(crate) fn serve_core(
     };
     let inbox = Rc::new(Inbox {
         rx: RefCell::new(rx),
-        shutdown: RefCell::new(None),
+        shutdown: RefCell::new(Vec::new()),
+        stopping: std::cell::Cell::new(false),
         waker: RefCell::new(None),
     });
     if let Some(e) = &served.engine {
@@ -646,8 +647,10 @@ pub(crate) fn serve_core(
 /// and by the progress loop at every turn ([`Inbox::pump`]), whichever comes first.
 struct Inbox {
     rx: RefCell<mpsc::UnboundedReceiver<Command>>,
-    /// A shutdown the pump took, for the serving task to carry out.
-    shutdown: RefCell<Option<oneshot::Sender<()>>>,
+    /// Shutdowns the pump took, for the serving task to carry out.
+    shutdown: RefCell<Vec<oneshot::Sender<()>>>,
+    /// A shutdown was taken: the pump takes nothing more (what comes after it never runs).
+    stopping: std::cell::Cell<bool>,
     /// The serving task, told of a shutdown the pump took.
     waker: RefCell<Option<std::task::Waker>>,
 }
@@ -656,6 +659,9 @@ impl Inbox {
     /// Starts every command waiting (jobs only spawn their tasks, so this is quick); a
     /// shutdown is left to the serving task.
     fn pump(&self, served: &Served) {
+        if self.stopping.get() {
+            return;
+        }
         loop {
             let cmd = match self.rx.try_borrow_mut() {
                 Ok(mut rx) => match rx.try_recv() {
@@ -667,7 +673,8 @@ impl Inbox {
             match cmd {
                 Command::Run(job) => run_job(served, job),
                 Command::Shutdown(done) => {
-                    *self.shutdown.borrow_mut() = Some(done);
+                    self.stopping.set(true);
+                    self.shutdown.borrow_mut().push(done);
                     if let Some(w) = self.waker.borrow_mut().take() {
                         w.wake();
                     }
@@ -680,7 +687,7 @@ impl Inbox {
     /// The next command (a shutdown the pump took first).
     async fn next(&self) -> Option<Command> {
         std::future::poll_fn(|cx| {
-            if let Some(done) = self.shutdown.borrow_mut().take() {
+            if let Some(done) = self.shutdown.borrow_mut().pop() {
                 return std::task::Poll::Ready(Some(Command::Shutdown(done)));
             }
             *self.waker.borrow_mut() = Some(cx.waker().clone());
@@ -699,19 +706,36 @@ fn run_job(served: &Served, job: Job) {
 }
 
 async fn serve(served: Served, inbox: Rc<Inbox>) {
+    // The pump holds the engine (and the engine the pump): let go of it however this ends.
+    let _release = ReleasePump(served.engine.clone());
     while let Some(cmd) = inbox.next().await {
         match cmd {
             Command::Run(job) => run_job(&served, job),
             Command::Shutdown(done) => {
+                inbox.stopping.set(true);
                 served.files.close_all().await;
-                if let Some(e) = served.engine {
-                    // The pump holds the engine: let go of it.
+                if let Some(e) = &served.engine {
                     e.clear_command_pump();
-                    e.shutdown().await;
+                    e.clone().shutdown().await;
                 }
                 let _ = done.send(());
+                // Shutdowns asked for meanwhile are done too.
+                for d in inbox.shutdown.borrow_mut().drain(..) {
+                    let _ = d.send(());
+                }
                 return;
             }
+        }
+    }
+}
+
+/// Clears an engine's command pump when dropped (the serving task ends, on any path).
+struct ReleasePump(Option<Engine>);
+
+impl Drop for ReleasePump {
+    fn drop(&mut self) {
+        if let Some(e) = &self.0 {
+            e.clear_command_pump();
         }
     }
 }

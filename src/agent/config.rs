@@ -51,10 +51,11 @@ pub struct AgentConfig {
     /// protected. Only for a trusted, closed network; the agent warns on every side-channel
     /// connection.
     pub insecure: bool,
-    /// The most side-channel connections served at once (more are closed at accept).
+    /// The most side-channel connections served at once (more wait in the kernel's accept
+    /// queue).
     pub max_side_channel_connections: usize,
-    /// The longest side-channel request line, in bytes (at least 1 KiB; replies of metadata
-    /// are bounded by the metadata format instead).
+    /// The largest metadata blob a side-channel fetch accepts, in bytes (1 MiB; at least 1 KiB,
+    /// at most the format's 64 MiB). Hello and request lines have fixed limits of 1 and 4 KiB.
     pub max_control_message: usize,
     /// Notifications one peer may deliver per second (bursts of a tenth of it); a faster peer
     /// is slowed by back-pressure, nothing is dropped.

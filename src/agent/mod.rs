@@ -196,7 +196,7 @@ impl Agent {
                 identity,
                 limits: SideChannelLimits {
                     connections: cfg.max_side_channel_connections.max(1),
-                    message: cfg.max_control_message.max(1024),
+                    message: cfg.max_control_message.clamp(1024, metadata::MAX_BLOB),
                 },
                 side_counters: Default::default(),
             }),

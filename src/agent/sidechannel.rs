@@ -24,10 +24,11 @@
 //! Bounds: the server runs on one control thread (tokio, current-thread): a connection is a
 //! task, never a thread, and gets no queue pair before it is authenticated. At most
 //! `max_side_channel_connections` are served at once (more wait in the kernel's accept queue
-//! until a slot frees: back-pressure, not refusal), each whole
-//! exchange within `connect_timeout`; a hello line may hold 1 KiB and a request
-//! `max_control_message` bytes (an oversized line gets `ERR message too large` and the
-//! connection is closed).
+//! until a slot frees: back-pressure, not refusal), each whole exchange within
+//! `connect_timeout`. A hello line may hold 1 KiB and a request 4 KiB, so a client that has not
+//! proved itself makes the server buffer at most 5 KiB (an oversized line gets `ERR message too
+//! large` and the connection is closed); a client accepts a metadata reply of at most
+//! `max_control_message` bytes of blob.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
@@ -48,6 +49,9 @@ use crate::verbs::Endpoint;
 const VERSION: &str = "RIXL1";
 /// The longest hello or challenge line.
 const HELLO_MAX: usize = 1024;
+/// The longest request line (a CONNECT is about 100 bytes): what a client that has not yet
+/// proved itself can make the server buffer, with its hello.
+const REQUEST_MAX: usize = 4096;
 /// How often the accept loop looks whether the agent stopped.
 const STOP_POLL: Duration = Duration::from_millis(200);
 
@@ -382,8 +386,8 @@ pub(super) fn fetch_metadata(
     expect: Option<&str>,
     deadline: Instant,
 ) -> Result<Vec<u8>, AgentError> {
-    // Hex of the largest blob.
-    let limit = 2 * MAX_BLOB;
+    // The reply: its proof, a space, the blob in hex.
+    let limit = 2 * TAG_LEN + 1 + 2 * me.limits.message.min(MAX_BLOB);
     decode_hex(&exchange(me, addr, expect, "MD", limit, deadline)?)
 }
 
@@ -623,7 +627,7 @@ async fn serve(
     )
     .await
     .map_err(io)?;
-    let line = read_or_refuse(inner, from, &mut r, &mut w, inner.limits.message).await?;
+    let line = read_or_refuse(inner, from, &mut r, &mut w, REQUEST_MAX).await?;
     let (proof, request) = split_proof(&line);
     let proven =
         proof.is_some_and(|p| key.verify(CLIENT_PROOF, &x.fields(&[request.as_bytes()]), &p));
@@ -670,7 +674,20 @@ async fn answer(inner: &Arc<Inner>, requester: &str, request: &str) -> Result<St
             rail,
             generation,
         } => {
-            let mine = accept_connection(inner, requester, endpoint, rail, generation).await?;
+            // On a task of its own: the exchange's timeout must not cut a set-up off between
+            // the engine's steps (a queue pair made and never recorded, or recorded without
+            // its receiver). One that ends after the client gave up is replaced by its next
+            // CONNECT.
+            let (inner, requester, endpoint) = (
+                Arc::clone(inner),
+                requester.to_string(),
+                endpoint.to_string(),
+            );
+            let mine = tokio::spawn(async move {
+                accept_connection(&inner, &requester, &endpoint, rail, generation).await
+            })
+            .await
+            .map_err(|e| sc(format!("connection set-up task: {e}")))??;
             Ok(hex::encode(mine.to_bytes()))
         }
     }
@@ -697,11 +714,12 @@ async fn accept_connection(
     }
     // The requester connects only when it has no connection on this rail: one it made to us
     // before is gone on its side.
-    if let Some(old) = inner.set_conn(requester, Direction::Inbound, rail, conn, Some(generation)) {
-        engine.close_connection(old).await;
-    }
+    let old = inner.set_conn(requester, Direction::Inbound, rail, conn, Some(generation));
     if rail == 0 {
         inner.spawn_receiver(requester.to_string(), conn);
+    }
+    if let Some(old) = old {
+        engine.close_connection(old).await;
     }
     Ok(mine)
 }

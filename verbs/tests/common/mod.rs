@@ -23,8 +23,9 @@ pub fn connect_options() -> ConnectOptions {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1);
-    // Fail fast on a dead peer in tests: 4.096 µs × 2^12 ≈ 17 ms per retry.
-    o.timeout = 12;
+    // Fail fast on a dead peer in tests: 4.096 µs × 2^14 ≈ 67 ms per retry (2^12 was too short
+    // for the emulated guest: a NAK for a bad rkey once came later than 4 x 17 ms).
+    o.timeout = 14;
     o.retry_cnt = 3;
     o
 }
