@@ -1,13 +1,13 @@
 //! Agent identity and a side channel that trusts nobody (`auth_`, `hostile_`, `flood_`). These
 //! run on any machine: agents without a NIC still serve their side channel and metadata.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use rixl::agent::metadata::MetadataError;
 use rixl::agent::{Agent, AgentConfig, AgentError, AuthError, ClusterKey};
-use rixl_testkit::rss_kib;
+use rixl_testkit::{rss_kib, send_long_line};
 
 fn config(key: Option<ClusterKey>) -> AgentConfig {
     let mut cfg = AgentConfig::default();
@@ -250,22 +250,7 @@ fn flood_10000_bogus_connections_and_a_64_mib_line_leave_the_agent_responsive_an
             (n, slowest)
         });
         // One 64 MiB line, written in 1 MiB pieces: the server stops reading at its limit.
-        let big = s.spawn(|| {
-            let mut s = TcpStream::connect(addr).expect("connect");
-            s.set_write_timeout(Some(Duration::from_secs(10))).unwrap();
-            let chunk = vec![b'x'; 1 << 20];
-            let mut sent = 0usize;
-            for _ in 0..64 {
-                if s.write_all(&chunk).is_err() {
-                    break;
-                }
-                sent += chunk.len();
-            }
-            let _ = s.write_all(b"\n");
-            let mut reply = String::new();
-            let _ = s.read_to_string(&mut reply);
-            (sent, reply)
-        });
+        let big = s.spawn(|| send_long_line(addr, 64));
         // 10,000 bogus connections from 4 threads, 100 open at a time each: half send junk,
         // half a hello and then nothing.
         let bogus: Vec<_> = (0..4)

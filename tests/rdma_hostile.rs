@@ -10,7 +10,7 @@ use futures_lite::future::block_on;
 use futures_lite::StreamExt;
 use rixl::agent::{Agent, AgentConfig, AgentError, RemoteRef, Visibility, NOTIFICATION_QUEUE};
 use rixl::runtime::LocalDescList;
-use rixl_testkit::{init_logs, report, require_or_skip, rss_kib};
+use rixl_testkit::{init_logs, report, require_or_skip, rss_kib, send_long_line};
 
 fn config(cpu: usize) -> AgentConfig {
     init_logs();
@@ -181,17 +181,7 @@ fn flood_bogus_side_channel_connections_leave_a_legitimate_peer_transferring() {
             bogus += 1;
         }
     }
-    let mut big = TcpStream::connect(addr).expect("connect");
-    big.set_write_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let chunk = vec![b'x'; 1 << 20];
-    let mut sent = 0usize;
-    for _ in 0..64 {
-        if big.write_all(&chunk).is_err() {
-            break;
-        }
-        sent += chunk.len();
-    }
+    let (sent, _) = send_long_line(addr, 64);
     read();
     let grown = rss_kib().saturating_sub(rss0);
     // Each loaded round against the unloaded round just before it; the median of the five.

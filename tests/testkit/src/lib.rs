@@ -79,6 +79,28 @@ pub fn quiet_injected_panics() {
     });
 }
 
+/// Writes one line of `mib` MiB (in 1 MiB pieces) to `addr`, stopping when the other side
+/// closes; returns the bytes written and whatever the other side answered.
+pub fn send_long_line(addr: std::net::SocketAddr, mib: usize) -> (usize, String) {
+    let mut s = TcpStream::connect(addr).expect("connect");
+    s.set_write_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let chunk = vec![b'x'; 1 << 20];
+    let mut sent = 0usize;
+    for _ in 0..mib {
+        if s.write_all(&chunk).is_err() {
+            break;
+        }
+        sent += chunk.len();
+    }
+    let _ = s.write_all(b"\n");
+    let mut reply = String::new();
+    let _ = s.read_to_string(&mut reply);
+    (sent, reply)
+}
+
 /// This process's resident set size in KiB (`VmRSS`; 0 when it cannot be read).
 pub fn rss_kib() -> u64 {
     std::fs::read_to_string("/proc/self/status")
