@@ -148,6 +148,7 @@ fn decode_reads_scattered_kv_blocks_and_notifies_prefill() {
         ipc: vec![],
         partial: false,
         removed: vec![],
+        grants: false,
     }
     .encode(&rixl::agent::ClusterKey::env_or_process_local().expect("key"))
     .expect("encode");

@@ -468,7 +468,35 @@ impl<Q: SendQueue> Core<Q> {
     /// Posts one signaled request (a SEND) in a new slot keeping `keep`; the caller made sure
     /// `conn` has a credit ([`Core::poll_credits`]). A refused post is the result.
     pub fn post_single(&mut self, conn: ConnId, op: SendOp, sge: Sge, keep: Q::Keep) -> Posting {
-        let mut p = self.begin(conn, op_kind(op), keep, &TransferOptions::default());
+        let inline = self
+            .conns
+            .get(conn.0 as usize)
+            .is_some_and(|c| c.inline(&op, u64::from(sge.length)));
+        self.post_control(conn, op_kind(op), keep, |q, wr_id| {
+            let flags = SendFlags {
+                inline,
+                ..SendFlags::SIGNALED
+            };
+            q.push(wr_id, op, &[sge], flags);
+            Ok(())
+        })
+    }
+
+    /// Posts one signaled request that `post` builds on the queue (a SEND, or a request the
+    /// core has no operation for, such as a memory-window bind) under the `wr_id` of a new
+    /// slot keeping `keep`, accounted like any other: one send credit, completion routed to
+    /// the slot. `post` pushes (and the core rings the doorbell), or posts by itself and
+    /// pushes nothing.
+    /// The caller made sure `conn` has a credit ([`Core::poll_credits`]). A refused post is the
+    /// result.
+    pub fn post_control(
+        &mut self,
+        conn: ConnId,
+        op: Op,
+        keep: Q::Keep,
+        post: impl FnOnce(&mut Q, u64) -> Result<(), Q::Error>,
+    ) -> Posting {
+        let mut p = self.begin(conn, op, keep, &TransferOptions::default());
         p.started = true;
         p.posted = true;
         let Core {
@@ -477,13 +505,10 @@ impl<Q: SendQueue> Core<Q> {
         let posted = match conns.get_mut(conn.0 as usize) {
             None => Err(unknown(conn.0)),
             Some(c) => {
-                let flags = SendFlags {
-                    inline: c.inline(&op, u64::from(sge.length)),
-                    ..SendFlags::SIGNALED
-                };
-                c.queue.push(p.slot.wr_id(true), op, &[sge], flags);
                 let keep = inflight.keepalive(p.slot);
-                match c.queue.post(keep.as_slice()) {
+                match post(&mut c.queue, p.slot.wr_id(true))
+                    .and_then(|()| c.queue.post(keep.as_slice()))
+                {
                     Ok(()) => {
                         c.credits.commit(c.credits.plan(1));
                         inflight.add_signaled(p.slot, 1);

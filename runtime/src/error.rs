@@ -45,6 +45,9 @@ pub enum RuntimeError {
     /// A FILE-tier registration failed.
     #[error(transparent)]
     File(#[from] FileError),
+    /// Binding a memory window (a grant) failed on the connection.
+    #[error("grant: {0}")]
+    Grant(#[source] TransferError),
     /// This core has no RDMA device (it serves host memory and files only).
     #[error("no RDMA device on this engine's core")]
     NoNic,

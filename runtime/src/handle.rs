@@ -393,6 +393,20 @@ impl EngineHandle {
         .unwrap_or_else(lost)
     }
 
+    /// See [`Engine::grant`].
+    ///
+    /// # Errors
+    /// As [`Engine::grant`], [`RuntimeError::EngineGone`] or [`RuntimeError::EnginePanic`].
+    pub async fn grant(
+        &self,
+        conn: ConnId,
+        specs: Vec<crate::engine::GrantSpec>,
+    ) -> Result<Vec<crate::engine::Grant>, RuntimeError> {
+        self.on_core(move |s| async move { s.rdma(RuntimeError::NoNic)?.grant(conn, specs).await })
+            .await
+            .unwrap_or_else(lost)
+    }
+
     /// See [`Engine::transfer`].
     ///
     /// # Errors

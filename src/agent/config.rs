@@ -3,24 +3,72 @@
 use std::time::Duration;
 
 use super::auth::ClusterKey;
-use crate::runtime::{EngineConfig, DEFAULT_IO_MEMORY};
+use crate::runtime::{Access, EngineConfig, DEFAULT_IO_MEMORY};
 
 /// Who may see a registration in this agent's metadata.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Visibility {
-    /// Every peer.
+    /// Every peer, READ and WRITE.
     All,
-    /// Only these agents: others never receive its key from our metadata.
+    /// Only these agents, READ and WRITE: others never receive its key from our metadata.
     Only(Vec<String>),
+    /// Every peer, READ only (weights served to many readers): with NIC grants, a WRITE
+    /// completes with a remote access error.
+    ReadOnly,
+    /// These agents, each with its own rights.
+    Granted(Vec<PeerAccess>),
+}
+
+/// One agent's rights to a region ([`Visibility::Granted`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerAccess {
+    /// The agent.
+    pub agent: String,
+    /// What it may do.
+    pub access: Access,
 }
 
 impl Visibility {
-    pub(crate) fn allows(&self, reader: &str) -> bool {
+    /// What `reader` may do with the region (`None`: it may not see it).
+    pub fn access_for(&self, reader: &str) -> Option<Access> {
         match self {
-            Visibility::All => true,
-            Visibility::Only(names) => names.iter().any(|n| n == reader),
+            Visibility::All => Some(Access::ReadWrite),
+            Visibility::ReadOnly => Some(Access::Read),
+            Visibility::Only(names) => names
+                .iter()
+                .any(|n| n == reader)
+                .then_some(Access::ReadWrite),
+            Visibility::Granted(g) => g.iter().find(|p| p.agent == reader).map(|p| p.access),
         }
+    }
+
+    pub(crate) fn allows(&self, reader: &str) -> bool {
+        self.access_for(reader).is_some()
+    }
+
+    /// This visibility with `agent`'s rights set to `access` (`None`: none); everyone else's
+    /// rights are kept (an `All` or `ReadOnly` region becomes a list of the named agents only
+    /// when rights are taken away: revoking one reader of a region every peer sees leaves it
+    /// visible to no one else by name, so such regions are best granted by name).
+    pub(crate) fn with_access(&self, agent: &str, access: Option<Access>) -> Visibility {
+        let mut list: Vec<PeerAccess> = match self {
+            Visibility::Only(names) => names
+                .iter()
+                .map(|n| PeerAccess {
+                    agent: n.clone(),
+                    access: Access::ReadWrite,
+                })
+                .collect(),
+            Visibility::Granted(g) => g.clone(),
+            Visibility::All | Visibility::ReadOnly => Vec::new(),
+        };
+        list.retain(|p| p.agent != agent);
+        list.extend(access.map(|access| PeerAccess {
+            agent: agent.to_string(),
+            access,
+        }));
+        Visibility::Granted(list)
     }
 }
 
@@ -60,6 +108,12 @@ pub struct AgentConfig {
     /// Notifications one peer may deliver per second (bursts of a tenth of it); a faster peer
     /// is slowed by back-pressure, nothing is dropped.
     pub notification_rate: u32,
+    /// Peers reach our memory only through grants the NIC enforces (default; `RIXL_NIC_GRANTS=0`
+    /// turns it off): regions are registered without remote access, and each peer gets a
+    /// type-2 memory window per region it may reach, bound to the queue pair of its own
+    /// connection, with its rights ([`Visibility::access_for`]). Off: a region's own rkey
+    /// reaches it from any queue pair (as NIXL), and read-only visibility is not enforced.
+    pub nic_grants: bool,
 }
 
 impl AgentConfig {
@@ -90,6 +144,7 @@ impl Default for AgentConfig {
             max_side_channel_connections: 256,
             max_control_message: 1 << 20,
             notification_rate: 100_000,
+            nic_grants: std::env::var("RIXL_NIC_GRANTS").map_or(true, |v| v != "0"),
         }
     }
 }

@@ -42,6 +42,15 @@ pub enum AgentError {
         /// The region id.
         region: u64,
     },
+    /// The peer does not grant us the region on the connection a transfer uses (NIC grants):
+    /// it is not, or no longer, visible to us (revoked or released).
+    #[error("peer {peer:?} does not grant us region {region}")]
+    NotGranted {
+        /// The peer.
+        peer: String,
+        /// The region id.
+        region: u64,
+    },
     /// This agent has no such region reachable by the reader (not registered, released, or
     /// scoped to other agents).
     #[error("no local region {0} is registered and visible to the reader")]

@@ -17,7 +17,8 @@ use std::time::{Duration, Instant};
 
 use futures_channel::oneshot;
 
-use super::peers::Direction;
+use super::grants::GrantKeys;
+use super::peers::{Direction, NewConn, QpNumbers};
 use super::snapshot::lock;
 use super::{sidechannel, AgentError, Inner};
 use crate::runtime::ConnId;
@@ -26,6 +27,14 @@ use crate::runtime::ConnId;
 pub const BACKOFF_MIN: Duration = Duration::from_millis(50);
 /// The longest backoff.
 pub const BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// A connection a set-up made.
+struct Made {
+    conn: ConnId,
+    qpns: QpNumbers,
+    /// Our grant keys on it, from the peer's reply.
+    keys: Option<GrantKeys>,
+}
 
 /// What a set-up ended with, handed to every caller that waited for it.
 type Outcome = Result<ConnId, Arc<AgentError>>;
@@ -240,16 +249,21 @@ fn spawn_setup(inner: &Arc<Inner>, key: LinkKey, refetch: bool) -> std::io::Resu
 }
 
 /// Records a set-up's outcome (the connection is published before any waiter wakes).
-fn finish(inner: &Arc<Inner>, key: &LinkKey, r: Result<ConnId, AgentError>) {
+fn finish(inner: &Arc<Inner>, key: &LinkKey, r: Result<Made, AgentError>) {
     let mut replaced = None;
     let mut states = lock(&inner.links.states);
     let st = states.entry(key.clone()).or_default();
     let waiters = st.connecting.take().unwrap_or_default();
     let outcome: Outcome = match r {
-        Ok(conn) => {
+        Ok(Made { conn, qpns, keys }) => {
             st.backoff = None;
-            if let Some(old) = inner.set_conn(&key.peer, Direction::Outbound, key.rail, conn, None)
-            {
+            let made = NewConn {
+                conn,
+                generation: None,
+                qpns,
+                keys,
+            };
+            if let Some(old) = inner.set_conn(&key.peer, Direction::Outbound, key.rail, made) {
                 // Set-ups of one peer and rail never overlap, and one starts only when no
                 // connection is left: a replaced one is a bug, closed rather than leaked.
                 tracing::warn!(peer = %key.peer, rail = key.rail, old = old.0, "replaced an outbound connection");
@@ -284,7 +298,7 @@ fn finish(inner: &Arc<Inner>, key: &LinkKey, r: Result<ConnId, AgentError>) {
         let _ = w.send(outcome.clone());
     }
     if let Some(old) = replaced {
-        futures_lite::future::block_on(inner.rails.engine(key.rail).close_connection(old));
+        futures_lite::future::block_on(inner.close_conn(key.rail, old));
     }
 }
 
@@ -295,7 +309,7 @@ async fn setup(
     key: &LinkKey,
     refetch: bool,
     deadline: Instant,
-) -> Result<ConnId, AgentError> {
+) -> Result<Made, AgentError> {
     if inner.stopped.load(Ordering::SeqCst) {
         return Err(AgentError::Stopped);
     }
@@ -318,15 +332,21 @@ async fn setup(
     let connected = async {
         let theirs =
             sidechannel::request_connection(inner, &key.peer, &addr, key.rail, &mine, deadline)?;
-        engine.complete_connection(conn, theirs).await?;
-        Ok::<(), AgentError>(())
+        engine.complete_connection(conn, theirs.endpoint).await?;
+        Ok::<_, AgentError>(Made {
+            conn,
+            qpns: QpNumbers {
+                local: mine.qpn,
+                peer: theirs.endpoint.qpn,
+            },
+            keys: theirs.keys,
+        })
     }
     .await;
-    if let Err(e) = connected {
+    if connected.is_err() {
         engine.close_connection(conn).await;
-        return Err(e);
     }
-    Ok(conn)
+    connected
 }
 
 impl Inner {
@@ -362,7 +382,7 @@ impl Inner {
                 .refetch = true;
             self.links.retired.fetch_add(1, Ordering::Relaxed);
             tracing::info!(agent = %self.name, %peer, rail, conn = conn.0, "connection failed; retired, to be replaced on the next transfer");
-            engine.close_connection(conn).await;
+            self.close_conn(rail, conn).await;
         }
     }
 }

@@ -18,6 +18,9 @@
 //! the tag before it reads a field, bounds every count by the bytes left before it allocates,
 //! and is linear in the blob.
 //!
+//! Flags: bit 1, the regions are reached through grants only (their keys name them and reach
+//! nothing; a reader asks for its own key per connection).
+//!
 //! Partial metadata (flags bit 0): a blob with only some regions (`getLocalPartialMD`), merged
 //! into what the reader already holds of the same agent generation, with the ids of regions the
 //! agent has released since.
@@ -100,6 +103,10 @@ pub struct AgentMetadata {
     pub partial: bool,
     /// Regions released since (partial blobs): the reader forgets them.
     pub removed: Vec<u64>,
+    /// Whether its regions are reached through grants only (flags bit 1): the keys above then
+    /// name regions and reach nothing; the reader asks for its own key per connection (a
+    /// memory window bound to that connection's queue pair).
+    pub grants: bool,
 }
 
 /// A VRAM region's CUDA IPC handle.
@@ -196,7 +203,7 @@ impl AgentMetadata {
         put_str(&mut out, &self.node);
         out.extend_from_slice(&self.process.to_be_bytes());
         out.push(rails as u8);
-        out.push(u8::from(self.partial));
+        out.push(u8::from(self.partial) | (u8::from(self.grants) << 1));
         out.extend_from_slice(&(self.regions.len() as u32).to_be_bytes());
         for r in &self.regions {
             out.extend_from_slice(&r.id.to_be_bytes());
@@ -293,11 +300,11 @@ impl AgentMetadata {
         if rails == 0 || rails > MAX_RAILS {
             return Err(MetadataError::Invalid(format!("{rails} rails")));
         }
-        let partial = match r.u8()? {
-            0 => false,
-            1 => true,
-            f => return Err(MetadataError::Invalid(format!("flags {f:#x}"))),
-        };
+        let flags = r.u8()?;
+        if flags & !0b11 != 0 {
+            return Err(MetadataError::Invalid(format!("flags {flags:#x}")));
+        }
+        let (partial, grants) = (flags & 1 != 0, flags & 2 != 0);
         let count = r.u32()? as usize;
         // The IPC and removed counts (4 bytes each) follow the regions.
         if count.saturating_mul(region_bytes(rails)).saturating_add(8) > body.len() - r.at {
@@ -378,6 +385,7 @@ impl AgentMetadata {
             ipc,
             partial,
             removed,
+            grants,
         })
     }
 }
@@ -463,6 +471,7 @@ mod tests {
             ipc: vec![],
             partial: false,
             removed: vec![],
+            grants: true,
         }
     }
 
@@ -478,9 +487,9 @@ mod tests {
         assert_eq!(AgentMetadata::decode(&blob, &key()).expect("decode"), m);
         // The flags byte: after the header, name, generation, address, node, process, rails.
         let at = 12 + 2 + m.name.len() + 8 + 2 + m.address.len() + 2 + m.node.len() + 4 + 1;
-        assert_eq!(blob[at], 1);
+        assert_eq!(blob[at], 0b11, "partial, and grants");
         let mut bad = blob.clone();
-        bad[at] = 2;
+        bad[at] = 4;
         retag(&mut bad);
         assert!(matches!(
             AgentMetadata::decode(&bad, &key()),

@@ -16,6 +16,7 @@ mod config;
 pub(crate) mod error;
 mod estimate;
 mod etcd;
+mod grants;
 mod handle;
 mod link;
 pub mod metadata;
@@ -38,7 +39,9 @@ use snapshot::{lock, Snapshot};
 
 pub use crate::runtime::{STRIPE_MIN, STRIPE_SLICE};
 pub use auth::{AuthError, ClusterKey};
-pub use config::{AgentConfig, RemoteRef, Visibility};
+pub use crate::runtime::Access;
+pub use config::{AgentConfig, PeerAccess, RemoteRef, Visibility};
+pub use grants::GrantCounters;
 pub use error::AgentError;
 pub use etcd::MembershipCounters;
 pub use handle::{CallOptions, Transfer, TransferStatus};
@@ -86,6 +89,10 @@ pub(crate) struct Inner {
     /// The side channel's bounds.
     limits: SideChannelLimits,
     side_counters: sidechannel::Counters,
+    /// Whether peers reach our memory through NIC grants only ([`AgentConfig::nic_grants`]).
+    nic_grants: bool,
+    /// The windows bound for peers.
+    grants: grants::GrantTable,
 }
 
 /// The side channel's bounds ([`AgentConfig::max_side_channel_connections`],
@@ -150,6 +157,7 @@ impl Agent {
         }
         let ncpu = crate::runtime::available_cpus().len().max(1);
         let mut first = cfg.engine.clone();
+        first.window_grants = cfg.nic_grants;
         if cfg.rails.len() > 1 {
             first.device = Some(cfg.rails[0].clone());
         }
@@ -157,6 +165,7 @@ impl Agent {
         for (i, dev) in cfg.rails.iter().enumerate().skip(1).take(MAX_RAILS - 1) {
             let mut c = cfg.engine.clone();
             c.device = Some(dev.clone());
+            c.window_grants = cfg.nic_grants;
             pools.push(EnginePool::start(
                 &c,
                 &[(cfg.cpu + i) % ncpu],
@@ -199,6 +208,8 @@ impl Agent {
                     message: cfg.max_control_message.clamp(1024, metadata::MAX_BLOB),
                 },
                 side_counters: Default::default(),
+                nic_grants: cfg.nic_grants,
+                grants: Default::default(),
             }),
         })
     }

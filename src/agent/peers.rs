@@ -12,6 +12,7 @@ use crate::runtime::{ConnId, RemoteDesc, RemoteDescList};
 
 use super::config::RemoteRef;
 use super::estimate::RateModel;
+use super::grants::GrantKeys;
 use super::metadata::{AgentMetadata, RegionInfo};
 use super::{link, sidechannel, Agent, AgentError, Inner};
 
@@ -44,11 +45,33 @@ pub(crate) struct Conns {
     inbound: Vec<Option<Slot>>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 struct Slot {
     conn: ConnId,
     /// The peer's generation when it was made (0: unknown).
     generation: u64,
+    qpns: QpNumbers,
+    /// The peer's grant keys on this connection (NIC grants; `None` until received).
+    keys: Option<Arc<GrantKeys>>,
+}
+
+/// A connection just made, as [`Inner::set_conn`] records it.
+pub(crate) struct NewConn {
+    pub conn: ConnId,
+    /// The peer's incarnation it was made with (`None`: the one loaded now).
+    pub generation: Option<u64>,
+    pub qpns: QpNumbers,
+    /// Our grant keys on it, when the peer sent them.
+    pub keys: Option<GrantKeys>,
+}
+
+/// The queue pair numbers of a connection's two ends.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct QpNumbers {
+    /// Ours.
+    pub local: u32,
+    /// The peer's.
+    pub peer: u32,
 }
 
 /// Which of a peer's connections.
@@ -68,33 +91,93 @@ impl Conns {
         }
     }
 
-    /// The connection transfers on `rail` use.
-    pub fn get(&self, rail: usize) -> Option<ConnId> {
-        let at = |v: &Vec<Option<Slot>>| v.get(rail).copied().flatten().map(|s| s.conn);
-        at(&self.outbound).or_else(|| at(&self.inbound))
+    /// The slot transfers on `rail` use: ours, else the peer's.
+    fn active(&self, rail: usize) -> Option<&Slot> {
+        fn at(v: &[Option<Slot>], rail: usize) -> Option<&Slot> {
+            v.get(rail).and_then(Option::as_ref)
+        }
+        at(&self.outbound, rail).or_else(|| at(&self.inbound, rail))
     }
 
-    /// Records `conn`, made with the peer's incarnation `generation`, on `rail`; returns the one
-    /// of that direction it replaces.
+    /// The connection transfers on `rail` use.
+    pub fn get(&self, rail: usize) -> Option<ConnId> {
+        self.active(rail).map(|s| s.conn)
+    }
+
+    /// The peer's grant keys on `conn` (on `rail`), if received.
+    pub fn keys(&self, rail: usize, conn: ConnId) -> Option<&Arc<GrantKeys>> {
+        self.slot(rail, conn).and_then(|s| s.keys.as_ref())
+    }
+
+    /// The queue pair numbers of `conn` on `rail`.
+    pub fn qpns(&self, rail: usize, conn: ConnId) -> Option<QpNumbers> {
+        self.slot(rail, conn).map(|s| s.qpns)
+    }
+
+    /// Whether `conn` is one of the connections on `rail`.
+    pub fn holds(&self, rail: usize, conn: ConnId) -> bool {
+        self.slot(rail, conn).is_some()
+    }
+
+    /// Our connection on `rail` whose queue pair is `qpn`.
+    pub fn by_local_qpn(&self, rail: usize, qpn: u32) -> Option<ConnId> {
+        [&self.outbound, &self.inbound]
+            .into_iter()
+            .filter_map(|v| v.get(rail).and_then(Option::as_ref))
+            .find(|s| s.qpns.local == qpn)
+            .map(|s| s.conn)
+    }
+
+    fn slot(&self, rail: usize, conn: ConnId) -> Option<&Slot> {
+        [&self.outbound, &self.inbound]
+            .into_iter()
+            .filter_map(|v| v.get(rail).and_then(Option::as_ref))
+            .find(|s| s.conn == conn)
+    }
+
+    /// Records the peer's grant keys on `conn` (on `rail`); whether the connection is there.
+    pub fn set_keys(&mut self, rail: usize, conn: ConnId, keys: Arc<GrantKeys>) -> bool {
+        for v in [&mut self.outbound, &mut self.inbound] {
+            if let Some(Some(s)) = v.get_mut(rail) {
+                if s.conn == conn {
+                    s.keys = Some(keys);
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
+    /// Records `conn` (its queue pairs `qpns`, the peer's first `keys`), made with the peer's
+    /// incarnation `generation`, on `rail`; returns the one of that direction it replaces.
     pub fn set(
         &mut self,
         dir: Direction,
         rail: usize,
         conn: ConnId,
         generation: u64,
+        qpns: QpNumbers,
+        keys: Option<Arc<GrantKeys>>,
     ) -> Option<ConnId> {
         let v = self.side(dir);
         if v.len() <= rail {
             v.resize(rail + 1, None);
         }
-        v[rail].replace(Slot { conn, generation }).map(|s| s.conn)
+        v[rail]
+            .replace(Slot {
+                conn,
+                generation,
+                qpns,
+                keys,
+            })
+            .map(|s| s.conn)
     }
 
     /// Removes `conn` from `rail` (either direction); whether it was there.
     pub fn remove(&mut self, rail: usize, conn: ConnId) -> bool {
         for dir in [Direction::Outbound, Direction::Inbound] {
             if let Some(slot) = self.side(dir).get_mut(rail) {
-                if slot.is_some_and(|s| s.conn == conn) {
+                if slot.as_ref().is_some_and(|s| s.conn == conn) {
                     *slot = None;
                     return true;
                 }
@@ -109,7 +192,7 @@ impl Conns {
         let mut all = Vec::new();
         for v in [&mut self.outbound, &mut self.inbound] {
             for (rail, slot) in v.iter_mut().enumerate() {
-                if slot.is_some_and(|s| Some(s.generation) != generation) {
+                if slot.as_ref().is_some_and(|s| Some(s.generation) != generation) {
                     all.extend(slot.take().map(|s| (rail, s.conn)));
                 }
             }
@@ -317,8 +400,10 @@ impl Agent {
             .unwrap_or_default();
         self.inner.ipc.forget_peer(peer);
         self.inner.links.forget(peer);
+        // Its windows go first: its grants end now, whatever its connections still do.
+        self.inner.grants.revoke_peer(peer);
         for (rail, c) in conns {
-            self.inner.rails.engine(rail).close_connection(c).await;
+            self.inner.close_conn(rail, c).await;
         }
     }
 
@@ -540,8 +625,7 @@ impl Inner {
             self.links.forget(&name);
         }
         for (rail, c) in stale {
-            let e = self.rails.engine(rail).clone();
-            futures_lite::future::block_on(e.close_connection(c));
+            futures_lite::future::block_on(self.close_conn(rail, c));
         }
         tracing::debug!(agent = %self.name, peer = %name, "loaded remote metadata");
         Ok(name)
@@ -601,22 +685,43 @@ impl Inner {
             .map_or(1, |m| usize::from(m.rails.max(1)))
     }
 
-    /// Records `conn` as the `dir` connection to `peer` on `rail`, made with the peer's
-    /// incarnation `generation` (`None`: the one loaded now); returns the one it replaces.
+    /// Records `made` as the `dir` connection to `peer` on `rail`; returns the one it replaces.
     pub(crate) fn set_conn(
         &self,
         peer: &str,
         dir: Direction,
         rail: usize,
-        conn: ConnId,
-        generation: Option<u64>,
+        made: NewConn,
     ) -> Option<ConnId> {
+        let NewConn {
+            conn,
+            generation,
+            qpns,
+            keys,
+        } = made;
+        let keys = keys.map(Arc::new);
         self.peers.update(|peers| {
             let mut p = peers.get(peer).map(|p| Peer::clone(p)).unwrap_or_default();
             let generation = generation.or(p.generation()).unwrap_or(0);
-            let old = p.conns.set(dir, rail, conn, generation);
+            let old = p.conns.set(dir, rail, conn, generation, qpns, keys.clone());
             peers.insert(peer.to_string(), Arc::new(p));
             old
+        })
+    }
+
+    /// Records `peer`'s grant keys on `conn` (`rail`); whether the connection is still there.
+    pub(crate) fn set_keys(&self, peer: &str, rail: usize, conn: ConnId, keys: GrantKeys) -> bool {
+        let keys = Arc::new(keys);
+        self.peers.update(|peers| {
+            let Some(p) = peers.get(peer) else {
+                return false;
+            };
+            let mut p = Peer::clone(p);
+            let set = p.conns.set_keys(rail, conn, Arc::clone(&keys));
+            if set {
+                peers.insert(peer.to_string(), Arc::new(p));
+            }
+            set
         })
     }
 
@@ -646,22 +751,43 @@ mod tests {
     use super::*;
 
     #[test]
+    fn grant_keys_live_with_their_connection_and_a_connection_is_found_by_its_queue_pair() {
+        let mut c = Conns::default();
+        let qpns = QpNumbers { local: 17, peer: 33 };
+        c.set(Direction::Inbound, 1, ConnId(4), 1, qpns, None);
+        assert_eq!(c.by_local_qpn(1, 17), Some(ConnId(4)));
+        assert_eq!(c.by_local_qpn(0, 17), None, "another rail");
+        assert_eq!(c.by_local_qpn(1, 33), None, "the peer's number is not ours");
+        assert!(c.keys(1, ConnId(4)).is_none());
+        let keys = Arc::new(GrantKeys {
+            by_region: [(5, 0x77)].into_iter().collect(),
+        });
+        assert!(c.set_keys(1, ConnId(4), Arc::clone(&keys)));
+        assert!(!c.set_keys(1, ConnId(5), Arc::clone(&keys)), "no such connection");
+        assert_eq!(c.keys(1, ConnId(4)), Some(&keys));
+        assert_eq!(c.qpns(1, ConnId(4)), Some(qpns));
+        // A replacement starts without the old connection's keys.
+        c.set(Direction::Inbound, 1, ConnId(6), 1, qpns, None);
+        assert!(c.keys(1, ConnId(6)).is_none() && !c.holds(1, ConnId(4)));
+    }
+
+    #[test]
     fn transfers_use_the_outbound_connection_else_the_inbound_one_and_removal_is_by_id() {
         let mut c = Conns::default();
         assert_eq!(c.get(0), None);
-        assert_eq!(c.set(Direction::Inbound, 0, ConnId(7), 1), None);
+        assert_eq!(c.set(Direction::Inbound, 0, ConnId(7), 1, QpNumbers::default(), None), None);
         assert_eq!(
             c.get(0),
             Some(ConnId(7)),
             "the peer's connection serves us too"
         );
-        assert_eq!(c.set(Direction::Outbound, 0, ConnId(3), 1), None);
+        assert_eq!(c.set(Direction::Outbound, 0, ConnId(3), 1, QpNumbers::default(), None), None);
         assert_eq!(c.get(0), Some(ConnId(3)), "ours first");
-        assert_eq!(c.set(Direction::Inbound, 2, ConnId(9), 1), None);
+        assert_eq!(c.set(Direction::Inbound, 2, ConnId(9), 1, QpNumbers::default(), None), None);
         assert_eq!((c.get(1), c.get(2)), (None, Some(ConnId(9))));
         assert_eq!(c.len(), 3);
         // A new inbound connection replaces only the peer's earlier one.
-        assert_eq!(c.set(Direction::Inbound, 0, ConnId(8), 1), Some(ConnId(7)));
+        assert_eq!(c.set(Direction::Inbound, 0, ConnId(8), 1, QpNumbers::default(), None), Some(ConnId(7)));
         assert_eq!(c.get(0), Some(ConnId(3)));
         // Removal names the connection: a stale id removes nothing.
         assert!(!c.remove(0, ConnId(7)));
@@ -676,10 +802,10 @@ mod tests {
     #[test]
     fn a_rejoined_peer_loses_its_old_incarnations_connections_and_keeps_its_new_ones() {
         let mut c = Conns::default();
-        c.set(Direction::Outbound, 0, ConnId(1), 10);
-        c.set(Direction::Inbound, 1, ConnId(2), 10);
+        c.set(Direction::Outbound, 0, ConnId(1), 10, QpNumbers::default(), None);
+        c.set(Direction::Inbound, 1, ConnId(2), 10, QpNumbers::default(), None);
         // The new incarnation (generation 11) connected to us before its metadata arrived.
-        c.set(Direction::Inbound, 0, ConnId(3), 11);
+        c.set(Direction::Inbound, 0, ConnId(3), 11, QpNumbers::default(), None);
         let mut stale = c.take_except(Some(11));
         stale.sort_by_key(|&(rail, conn)| (rail, conn.0));
         assert_eq!(stale, vec![(0, ConnId(1)), (1, ConnId(2))]);

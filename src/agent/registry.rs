@@ -29,7 +29,7 @@ pub(crate) struct VramExport {
 }
 
 /// One registration as the agent keeps it.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct Reg {
     pub region: Region,
     /// The same memory registered on rails 1.. (multi-rail agents).
@@ -113,6 +113,8 @@ impl Drop for RegInner {
     fn drop(&mut self) {
         if let Some(a) = self.agent.upgrade() {
             a.regs.update(|regs| regs.remove(&self.id));
+            // Its windows keep the memory registered: they go now.
+            a.grants.revoke_region(self.id, None);
             a.metadata_changed();
         }
     }
@@ -630,6 +632,7 @@ impl Inner {
             ipc,
             partial: only.is_some(),
             removed,
+            grants: self.nic_grants,
         }
     }
 }
@@ -640,6 +643,9 @@ pub(crate) struct RailMap<'a> {
     pub regs: &'a Registrations,
     /// The peer's regions by their rail-0 key.
     pub peer_by_rkey: &'a std::collections::HashMap<u32, RegionInfo>,
+    /// The peer grants its regions per connection: every rail's part keeps the rail-0 keys,
+    /// which name regions, until it is put on its connection's grant keys.
+    pub grants: bool,
 }
 
 impl RailKeys for RailMap<'_> {
@@ -674,6 +680,9 @@ impl RailKeys for RailMap<'_> {
     }
 
     fn rkey_on(&self, rkey: u32, rail: usize) -> u32 {
+        if self.grants {
+            return rkey;
+        }
         self.peer_by_rkey.get(&rkey).map_or(0, |i| i.rkey_on(rail))
     }
 }

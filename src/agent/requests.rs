@@ -361,6 +361,7 @@ impl Agent {
         if rails > 1 {
             tracing::debug!(agent = %self.inner.name, %peer, rails = parts.len(), "striped transfer");
         }
+        let parts = self.inner.on_grants(peer, parts, deadline).await?;
         let transport = RdmaTransport {
             rails: &self.inner.rails,
         };
@@ -400,6 +401,7 @@ impl Agent {
             let map = RailMap {
                 regs: &regs,
                 peer_by_rkey: &p.by_rkey,
+                grants: p.metadata.as_ref().is_some_and(|m| m.grants),
             };
             self.inner.rails.split(local, remote, rails, &map)?
         };
@@ -516,6 +518,7 @@ impl Agent {
                         conn,
                     }]
                 };
+                let parts = self.inner.on_grants(peer, parts, deadline).await?;
                 RequestPath::Rdma(self.inner.rails.prepare(op, parts).await?)
             }
         };

@@ -17,7 +17,9 @@
 //! as that name; the client believes the server's name and reply the same way.
 //!
 //! Requests: `MD` → the metadata blob we grant the requester, hex; `CONNECT <endpoint hex>
-//! <rail> <generation>` → our endpoint hex, or `ERR <reason>`. The requester's generation (its
+//! <rail> <generation>` → our endpoint hex and the requester's grant keys on the new
+//! connection, hex (see `grants`), or `ERR <reason>`; `GRANTS <rail> <qpn>` → the requester's
+//! grant keys on our connection whose queue pair is `qpn` (windows it lacks are bound first). The requester's generation (its
 //! incarnation) tags the connection, so that when its new metadata arrives later only its old
 //! incarnation's connections are closed.
 //!
@@ -40,7 +42,8 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 
 use super::auth::{self, AuthError, NONCE_LEN, TAG_LEN};
 use super::metadata::MAX_BLOB;
-use super::peers::Direction;
+use super::grants::GrantKeys;
+use super::peers::{Direction, NewConn, QpNumbers};
 use super::snapshot::lock;
 use super::{AgentError, Inner};
 use crate::verbs::Endpoint;
@@ -199,6 +202,9 @@ pub(crate) enum Request<'a> {
         rail: usize,
         generation: u64,
     },
+    /// `GRANTS <rail> <qpn>`: the requester's keys on our connection on `rail` whose queue
+    /// pair is `qpn`.
+    Grants { rail: usize, qpn: u32 },
 }
 
 /// A request line.
@@ -217,6 +223,12 @@ pub(crate) fn parse_request(request: &str) -> Result<Request<'_>, AgentError> {
                     generation,
                 }),
                 _ => Err(sc("bad rail or generation")),
+            }
+        }
+        (Some("GRANTS"), Some(rail), Some(qpn), None, _) => {
+            match (rail.parse::<usize>(), qpn.parse::<u32>()) {
+                (Ok(rail), Ok(qpn)) => Ok(Request::Grants { rail, qpn }),
+                _ => Err(sc("bad rail or queue pair number")),
             }
         }
         _ => Err(sc("unknown request")),
@@ -391,8 +403,20 @@ pub(super) fn fetch_metadata(
     decode_hex(&exchange(me, addr, expect, "MD", limit, deadline)?)
 }
 
+/// What a `CONNECT` got: the peer's endpoint, and its grant keys on the new connection (none
+/// from a peer without NIC grants).
+pub(super) struct Accepted {
+    pub endpoint: Endpoint,
+    pub keys: Option<GrantKeys>,
+}
+
+/// The longest reply carrying grant keys `me` accepts (proof, endpoint, keys; hex).
+fn keys_reply_limit(me: &Inner) -> usize {
+    2 * TAG_LEN + 1 + HELLO_MAX + 2 * me.limits.message
+}
+
 /// Asks `peer`'s agent at `addr` for a connection on `rail` to our endpoint `mine`; returns its
-/// endpoint.
+/// endpoint and our grant keys on it.
 pub(super) fn request_connection(
     me: &Inner,
     peer: &str,
@@ -400,14 +424,41 @@ pub(super) fn request_connection(
     rail: usize,
     mine: &Endpoint,
     deadline: Instant,
-) -> Result<Endpoint, AgentError> {
+) -> Result<Accepted, AgentError> {
     let request = format!(
         "CONNECT {} {rail} {}",
         hex::encode(mine.to_bytes()),
         me.generation
     );
-    let line = exchange(me, addr, Some(peer), &request, HELLO_MAX, deadline)?;
-    Endpoint::from_bytes(&decode_hex(&line)?).map_err(sc)
+    let line = exchange(me, addr, Some(peer), &request, keys_reply_limit(me), deadline)?;
+    let mut f = line.split(' ');
+    let endpoint = Endpoint::from_bytes(&decode_hex(f.next().unwrap_or_default())?).map_err(sc)?;
+    let keys = f
+        .next()
+        .map(|k| GrantKeys::decode(&decode_hex(k)?))
+        .transpose()?;
+    Ok(Accepted { endpoint, keys })
+}
+
+/// Asks `peer`'s agent at `addr` for our grant keys on its connection on `rail` whose queue
+/// pair is `qpn`.
+pub(super) fn request_grants(
+    me: &Inner,
+    peer: &str,
+    addr: &str,
+    rail: usize,
+    qpn: u32,
+    deadline: Instant,
+) -> Result<GrantKeys, AgentError> {
+    let line = exchange(
+        me,
+        addr,
+        Some(peer),
+        &format!("GRANTS {rail} {qpn}"),
+        keys_reply_limit(me),
+        deadline,
+    )?;
+    GrantKeys::decode(&decode_hex(&line)?)
 }
 
 // ---- server --------------------------------------------------------------------------------
@@ -683,12 +734,29 @@ async fn answer(inner: &Arc<Inner>, requester: &str, request: &str) -> Result<St
                 requester.to_string(),
                 endpoint.to_string(),
             );
-            let mine = tokio::spawn(async move {
+            let (mine, keys) = tokio::spawn(async move {
                 accept_connection(&inner, &requester, &endpoint, rail, generation).await
             })
             .await
             .map_err(|e| sc(format!("connection set-up task: {e}")))??;
-            Ok(hex::encode(mine.to_bytes()))
+            Ok(format!(
+                "{} {}",
+                hex::encode(mine.to_bytes()),
+                hex::encode(keys.encode())
+            ))
+        }
+        Request::Grants { rail, qpn } => {
+            let conn = inner
+                .peers
+                .load()
+                .get(requester)
+                .and_then(|p| p.conns.by_local_qpn(rail, qpn))
+                .ok_or_else(|| sc(format!("no connection of {requester} on rail {rail} is queue pair {qpn}")))?;
+            let (inner, requester) = (Arc::clone(inner), requester.to_string());
+            let keys = tokio::spawn(async move { inner.grant_conn(&requester, rail, conn).await })
+                .await
+                .map_err(|e| sc(format!("grant task: {e}")))??;
+            Ok(hex::encode(keys.encode()))
         }
     }
 }
@@ -701,7 +769,7 @@ async fn accept_connection(
     ep: &str,
     rail: usize,
     generation: u64,
-) -> Result<Endpoint, AgentError> {
+) -> Result<(Endpoint, GrantKeys), AgentError> {
     if rail >= inner.rails.len() {
         return Err(AgentError::SideChannel(format!("no rail {rail} here")));
     }
@@ -714,12 +782,30 @@ async fn accept_connection(
     }
     // The requester connects only when it has no connection on this rail: one it made to us
     // before is gone on its side.
-    let old = inner.set_conn(requester, Direction::Inbound, rail, conn, Some(generation));
+    let qpns = QpNumbers {
+        local: mine.qpn,
+        peer: theirs.qpn,
+    };
+    let made = NewConn {
+        conn,
+        generation: Some(generation),
+        qpns,
+        keys: None,
+    };
+    let old = inner.set_conn(requester, Direction::Inbound, rail, made);
     if rail == 0 {
         inner.spawn_receiver(requester.to_string(), conn);
     }
     if let Some(old) = old {
-        engine.close_connection(old).await;
+        inner.close_conn(rail, old).await;
     }
-    Ok(mine)
+    // The requester's windows, bound before it learns the connection is there.
+    match inner.grant_conn(requester, rail, conn).await {
+        Ok(keys) => Ok((mine, keys)),
+        Err(e) => {
+            inner.remove_conn(requester, rail, conn);
+            inner.close_conn(rail, conn).await;
+            Err(e)
+        }
+    }
 }

@@ -44,7 +44,7 @@ pub use mr::{
     AccessFlags, HostMemory, MemoryRegion, OwnedRegistration, Registered, RegisteredBuffer,
     SharedRegistration,
 };
-pub use mw::MemoryWindow;
+pub use mw::{BoundWindow, MemoryWindow};
 pub use pd::ProtectionDomain;
 pub use qp::{ConnectOptions, Endpoint, QueuePair, QueuePairCapabilities, QueuePairState};
 pub use wc::{WcOpcode, WcStatus, WorkCompletion};

@@ -96,3 +96,55 @@ impl Drop for MemoryWindow {
         }
     }
 }
+
+/// A window bound to one queue pair over memory whose keep-alive it owns: the safe form of
+/// [`QueuePair::post_bind_window`](crate::QueuePair::post_bind_window). Dropping it
+/// deallocates the window first (the grant ends at once: its rkey reaches nothing from then
+/// on), then releases the queue pair and the keep-alive, so the memory's registration always
+/// outlives the window bound over it.
+pub struct BoundWindow<K> {
+    // Dropped first (field order): the window is deallocated before what it reaches goes.
+    window: MemoryWindow,
+    rkey: u32,
+    _qp: std::sync::Arc<crate::QueuePair>,
+    keep: K,
+}
+
+impl<K> fmt::Debug for BoundWindow<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BoundWindow")
+            .field("rkey", &format_args!("{:#x}", self.rkey))
+            .finish()
+    }
+}
+
+impl<K> BoundWindow<K> {
+    /// The rkey the queue pair's peer addresses the window with.
+    pub fn rkey(&self) -> u32 {
+        self.rkey
+    }
+
+    /// What it keeps alive.
+    pub fn keep(&self) -> &K {
+        &self.keep
+    }
+
+    /// The window.
+    pub fn window(&self) -> &MemoryWindow {
+        &self.window
+    }
+
+    pub(crate) fn new(
+        window: MemoryWindow,
+        rkey: u32,
+        qp: std::sync::Arc<crate::QueuePair>,
+        keep: K,
+    ) -> Self {
+        BoundWindow {
+            window,
+            rkey,
+            _qp: qp,
+            keep,
+        }
+    }
+}

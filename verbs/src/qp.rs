@@ -9,7 +9,7 @@ use crate::cq::CompletionQueue;
 use crate::error::{Error, Result};
 use crate::mr::AccessFlags;
 use crate::mr::{MemoryRegion, OwnedRegistration};
-use crate::mw::MemoryWindow;
+use crate::mw::{BoundWindow, MemoryWindow};
 use crate::pd::ProtectionDomain;
 use crate::sys;
 use crate::wr::{RecvBatch, SendBatch};
@@ -655,6 +655,40 @@ impl QueuePair {
         self.post_one(&mut wr)?;
         window.set_rkey(rkey);
         Ok(rkey)
+    }
+
+    /// Posts a bind of `window` to `len` bytes at `addr` of the registration `region(&keep)`
+    /// on this queue pair (as [`Self::post_bind_window`]), and returns the bound window owning
+    /// `keep`: the registration cannot be dropped while the window is bound, so this is safe.
+    /// The grant holds once the bind's completion (`wr_id`) arrives; dropping the result
+    /// revokes it.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `region(&keep)` is `None` (memory without a registration),
+    /// else as [`Self::post_bind_window`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn bind_window<K>(
+        self: &std::sync::Arc<Self>,
+        mut window: MemoryWindow,
+        keep: K,
+        region: fn(&K) -> Option<&dyn OwnedRegistration>,
+        addr: u64,
+        len: u64,
+        access: AccessFlags,
+        wr_id: u64,
+    ) -> Result<BoundWindow<K>> {
+        let Some(reg) = region(&keep) else {
+            return Err(Error::InvalidArgument(
+                "a window needs registered memory".into(),
+            ));
+        };
+        // SAFETY: the registration is borrowed from `keep`, which the bound window owns (and
+        // never lends mutably) until after the window is deallocated: it stays registered
+        // while the window is bound.
+        let rkey = unsafe {
+            self.post_bind_window(&mut window, reg.memory_region(), addr, len, access, wr_id)?
+        };
+        Ok(BoundWindow::new(window, rkey, std::sync::Arc::clone(self), keep))
     }
 
     /// Posts a local invalidation of `rkey`, the key of a window bound on this queue pair:

@@ -37,6 +37,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         }],
         partial: false,
         removed: vec![],
+        grants: true,
     };
     let partial = AgentMetadata {
         partial: true,

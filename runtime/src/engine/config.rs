@@ -75,6 +75,11 @@ pub struct EngineConfig {
     pub require_nic: bool,
     /// The FILE tier's queue depth and I/O size.
     pub file: crate::file::FileConfig,
+    /// Peers reach memory only through grants (off by default): registrations carry no
+    /// remote access of their own, and [`Engine::grant`](super::Engine::grant) binds a type-2
+    /// memory window per region on the queue pair of the peer it is granted to. The agent
+    /// turns it on.
+    pub window_grants: bool,
 }
 
 impl Default for EngineConfig {
@@ -100,6 +105,7 @@ impl Default for EngineConfig {
             spin_before_park: Duration::from_micros(100),
             require_nic: true,
             file: crate::file::FileConfig::default(),
+            window_grants: false,
         }
     }
 }

@@ -5,6 +5,7 @@
 
 mod config;
 mod events;
+mod grant;
 mod nic;
 mod progress;
 mod transfer;
@@ -27,6 +28,7 @@ use crate::error::{RuntimeError, TransferError};
 use crate::id::next_engine_id;
 
 pub use config::{EngineConfig, PollMode};
+pub use grant::{Access, Grant, GrantSpec};
 pub use rixl_proto::{
     ConnId, DescriptorRanges, EngineCounters, Message, Progress, TransferFailure, TransferOptions,
     TransferStats,
@@ -203,15 +205,24 @@ impl Engine {
         self.inner.core.borrow().inflight_len()
     }
 
-    /// Allocates and registers `len` bytes (page aligned, zeroed) with remote read/write access.
+    /// The access memory is registered with: with window grants, local access and `MW_BIND`
+    /// only (peers reach it through the windows [`Self::grant`] binds); otherwise remote read
+    /// and write through the region's own rkey, and `MW_BIND`.
+    pub fn registration_access(&self) -> AccessFlags {
+        registration_access(&self.inner.cfg)
+    }
+
+    /// Allocates and registers `len` bytes (page aligned, zeroed) for peers to reach (see
+    /// [`Self::registration_access`]).
     /// Registration runs off the core.
     ///
     /// # Errors
     /// [`RuntimeError::Verbs`] if allocation or registration fails.
     pub async fn register(&self, len: usize) -> Result<Region, RuntimeError> {
         let pd = self.inner.pd.clone();
+        let access = self.registration_access();
         let buf = glommio::executor()
-            .spawn_blocking(move || RegisteredBuffer::new(&pd, len, AccessFlags::ALL_RDMA))
+            .spawn_blocking(move || RegisteredBuffer::new(&pd, len, access))
             .await?;
         Ok(Region::new(buf, self.inner.id))
     }
@@ -226,9 +237,10 @@ impl Engine {
         mem: Arc<rixl_verbs::HostBuffer>,
     ) -> Result<Region, RuntimeError> {
         let pd = self.inner.pd.clone();
+        let access = self.registration_access();
         let reg = glommio::executor()
             .spawn_blocking(move || {
-                rixl_verbs::SharedRegistration::register(&pd, mem, AccessFlags::ALL_RDMA)
+                rixl_verbs::SharedRegistration::register(&pd, mem, access)
             })
             .await?;
         Ok(Region::shared(reg, self.inner.id))
@@ -246,9 +258,10 @@ impl Engine {
         mem: Arc<rixl_verbs::HostBuffer>,
     ) -> Result<SharedMr, RuntimeError> {
         let pd = self.inner.pd.clone();
+        let access = self.registration_access();
         let reg = glommio::executor()
             .spawn_blocking(move || {
-                rixl_verbs::SharedRegistration::register(&pd, mem, AccessFlags::ALL_RDMA)
+                rixl_verbs::SharedRegistration::register(&pd, mem, access)
             })
             .await?;
         Ok(SharedMr::new(reg, self.inner.id))
@@ -262,11 +275,12 @@ impl Engine {
     /// works.
     pub async fn register_gpu(&self, ordinal: i32, len: usize) -> Result<Region, RuntimeError> {
         let pd = self.inner.pd.clone();
+        let access = self.registration_access();
         let reg = glommio::executor()
             .spawn_blocking(move || {
                 let gpu = rixl_gpudirect::Gpu::open(ordinal)?;
                 let mem = rixl_gpudirect::DeviceMemory::alloc(&gpu, len)?;
-                rixl_gpudirect::GpuRegistration::register(&pd, mem, AccessFlags::ALL_RDMA)
+                rixl_gpudirect::GpuRegistration::register(&pd, mem, access)
             })
             .await?;
         Ok(Region::gpu(reg, self.inner.id))
@@ -283,9 +297,10 @@ impl Engine {
         mem: rixl_gpudirect::DeviceMemory,
     ) -> Result<Region, RuntimeError> {
         let pd = self.inner.pd.clone();
+        let access = self.registration_access();
         let reg = glommio::executor()
             .spawn_blocking(move || {
-                rixl_gpudirect::GpuRegistration::register(&pd, mem, AccessFlags::ALL_RDMA)
+                rixl_gpudirect::GpuRegistration::register(&pd, mem, access)
             })
             .await?;
         Ok(Region::gpu(reg, self.inner.id))
@@ -507,5 +522,14 @@ fn rand_u32() -> u32 {
                 .map_or(0, |d| d.subsec_nanos())
                 .wrapping_mul(2_654_435_761)
         }
+    }
+}
+
+/// The access flags registrations get under `cfg`.
+fn registration_access(cfg: &EngineConfig) -> AccessFlags {
+    if cfg.window_grants {
+        AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND
+    } else {
+        AccessFlags::ALL_RDMA | AccessFlags::MW_BIND
     }
 }

@@ -356,9 +356,9 @@ fn failed(
 }
 
 /// Detaches a slot when the transfer future goes away before taking its result.
-struct SlotGuard {
-    inner: Rc<Inner>,
-    posting: Posting,
+pub(super) struct SlotGuard {
+    pub(super) inner: Rc<Inner>,
+    pub(super) posting: Posting,
 }
 
 impl Drop for SlotGuard {
@@ -564,7 +564,7 @@ async fn flush_queue(inner: Rc<Inner>, conn: ConnId) {
 /// completion in the CQ ends without a round trip through the progress task (on a fast device
 /// the completion often arrives before the future first waits); the waker is registered only
 /// after that reap, so such a future does not wake itself.
-async fn wait_slot(guard: &mut SlotGuard) -> Result<(), TransferError> {
+pub(super) async fn wait_slot(guard: &mut SlotGuard) -> Result<(), TransferError> {
     let inner = Rc::clone(&guard.inner);
     let r = poll_fn(|cx| {
         let mut core = inner.core.borrow_mut();

@@ -1,0 +1,474 @@
+//! Grants enforced by the NIC: a peer reaches a region of ours only through a type-2 memory
+//! window bound on the queue pair of its own connection, with the rights its visibility gives
+//! it ([`Visibility::access_for`](super::Visibility)).
+//!
+//! - Our regions are registered without remote access (their own rkeys reach nothing; the
+//!   metadata's keys only name them, flags bit 1 says so).
+//! - Accepting a peer's connection binds a window per region it may reach on that connection
+//!   and returns the keys in the `CONNECT` reply. A peer asks for the keys of a connection it
+//!   did not set up, or of regions registered later, with an authenticated `GRANTS` request;
+//!   the windows it lacks are bound then.
+//! - Revoking a grant ([`Agent::revoke`]), releasing a region, invalidating a peer or closing a
+//!   connection deallocates the windows at once: the next access with their keys completes
+//!   with a remote access error.
+//!
+//! The table is taken on set-ups, `GRANTS` requests and revocations: never on a transfer.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use crate::runtime::{
+    Access, ConnId, Grant, GrantSpec, RailPart, Region, RemoteDesc, RemoteDescList,
+};
+
+use super::config::Visibility;
+use super::peers::Peer;
+use super::sidechannel;
+use super::snapshot::lock;
+use super::{Agent, AgentError, Inner, Registration};
+
+/// The most grant keys a reply carries (12 bytes each).
+pub(crate) const MAX_KEYS: usize = 1 << 20;
+
+/// A peer's keys for our regions on one connection, as the peer holds them: region id to the
+/// rkey of the window bound for it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct GrantKeys {
+    pub by_region: HashMap<u64, u32>,
+}
+
+impl GrantKeys {
+    /// `count u32 | (region u64, rkey u32) per key`, big-endian.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut keys: Vec<(&u64, &u32)> = self.by_region.iter().collect();
+        keys.sort_unstable();
+        let mut out = Vec::with_capacity(4 + 12 * keys.len());
+        out.extend_from_slice(&(keys.len() as u32).to_be_bytes());
+        for (region, rkey) in keys {
+            out.extend_from_slice(&region.to_be_bytes());
+            out.extend_from_slice(&rkey.to_be_bytes());
+        }
+        out
+    }
+
+    /// Decodes [`Self::encode`]'s bytes: the count must match the length exactly (checked before
+    /// anything is allocated).
+    ///
+    /// # Errors
+    /// [`AgentError::SideChannel`] for a malformed list.
+    pub fn decode(b: &[u8]) -> Result<Self, AgentError> {
+        let bad = || AgentError::SideChannel("malformed grant keys".into());
+        let (count, rest) = b.split_first_chunk::<4>().ok_or_else(bad)?;
+        let count = u32::from_be_bytes(*count) as usize;
+        if count > MAX_KEYS || rest.len() != count * 12 {
+            return Err(bad());
+        }
+        let mut by_region = HashMap::with_capacity(count);
+        for k in rest.chunks_exact(12) {
+            let (region, rkey) = k.split_at(8);
+            let region = u64::from_be_bytes(region.try_into().map_err(|_| bad())?);
+            let rkey = u32::from_be_bytes(rkey.try_into().map_err(|_| bad())?);
+            if by_region.insert(region, rkey).is_some() {
+                return Err(bad());
+            }
+        }
+        Ok(GrantKeys { by_region })
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct ConnKey {
+    rail: usize,
+    conn: ConnId,
+}
+
+/// The windows bound for one peer on one of our connections.
+#[derive(Debug)]
+struct ConnGrants {
+    peer: String,
+    by_region: HashMap<u64, Grant>,
+}
+
+/// How grants have been made and ended.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct GrantCounters {
+    /// Windows bound (one per region, peer and connection).
+    pub bound: u64,
+    /// Windows deallocated (revoked, released, or their connection closed).
+    pub revoked: u64,
+    /// Windows bound now.
+    pub live: u64,
+}
+
+/// Every window this agent has bound, by connection.
+#[derive(Debug, Default)]
+pub(crate) struct GrantTable {
+    conns: Mutex<HashMap<ConnKey, ConnGrants>>,
+    bound: std::sync::atomic::AtomicU64,
+    revoked: std::sync::atomic::AtomicU64,
+}
+
+impl GrantTable {
+    fn count_revoked(&self, n: usize) {
+        self.revoked
+            .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Deallocates the windows of connection `conn` on `rail` (it is closing).
+    pub fn forget_conn(&self, rail: usize, conn: ConnId) {
+        let gone = lock(&self.conns).remove(&ConnKey { rail, conn });
+        if let Some(g) = gone {
+            self.count_revoked(g.by_region.len());
+        }
+    }
+
+    /// Deallocates the windows of `region` (for `peer` only, or for every peer).
+    pub fn revoke_region(&self, region: u64, peer: Option<&str>) -> usize {
+        let mut gone = Vec::new();
+        for g in lock(&self.conns).values_mut() {
+            if peer.is_none_or(|p| p == g.peer) {
+                gone.extend(g.by_region.remove(&region));
+            }
+        }
+        self.count_revoked(gone.len());
+        gone.len()
+    }
+
+    /// Deallocates every window of `peer`.
+    pub fn revoke_peer(&self, peer: &str) -> usize {
+        let mut n = 0;
+        lock(&self.conns).retain(|_, g| {
+            if g.peer == peer {
+                n += g.by_region.len();
+                false
+            } else {
+                true
+            }
+        });
+        self.count_revoked(n);
+        n
+    }
+
+    pub fn counters(&self) -> GrantCounters {
+        let get = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+        let live = lock(&self.conns)
+            .values()
+            .map(|g| g.by_region.len() as u64)
+            .sum();
+        GrantCounters {
+            bound: get(&self.bound),
+            revoked: get(&self.revoked),
+            live,
+        }
+    }
+}
+
+/// A region `peer` may reach on `rail`, with its rights.
+struct Wanted {
+    id: u64,
+    region: Region,
+    access: Access,
+}
+
+impl Inner {
+    /// What `peer` may reach of ours on `rail` now.
+    fn wanted(&self, peer: &str, rail: usize) -> Vec<Wanted> {
+        self.regs
+            .load()
+            .iter()
+            .filter_map(|(&id, r)| {
+                let access = r.visibility.access_for(peer)?;
+                let region = if rail == 0 {
+                    r.region.clone()
+                } else {
+                    r.rails.get(rail - 1)?.clone()
+                };
+                region.registration()?;
+                Some(Wanted { id, region, access })
+            })
+            .collect()
+    }
+
+    /// Grants `peer` on our connection `conn` (`rail`) every region it may reach that has no
+    /// window there yet (or one with other rights), drops the windows of regions it may no
+    /// longer reach, and returns the keys of all. Without NIC grants: no keys.
+    ///
+    /// # Errors
+    /// [`AgentError::Runtime`] if a window cannot be bound (the connection failed, or the
+    /// device has no memory windows).
+    pub(crate) async fn grant_conn(
+        &self,
+        peer: &str,
+        rail: usize,
+        conn: ConnId,
+    ) -> Result<GrantKeys, AgentError> {
+        if !self.nic_grants {
+            return Ok(GrantKeys::default());
+        }
+        let key = ConnKey { rail, conn };
+        let missing: Vec<Wanted> = {
+            let table = lock(&self.grants.conns);
+            let have = table.get(&key);
+            self.wanted(peer, rail)
+                .into_iter()
+                .filter(|w| {
+                    have.and_then(|g| g.by_region.get(&w.id))
+                        .map(Grant::access)
+                        != Some(w.access)
+                })
+                .collect()
+        };
+        let mut made = Vec::new();
+        if !missing.is_empty() {
+            let specs = missing
+                .iter()
+                .map(|w| GrantSpec {
+                    region: w.region.clone(),
+                    access: w.access,
+                })
+                .collect();
+            made = self.rails.engine(rail).grant(conn, specs).await?;
+            self.grants
+                .bound
+                .fetch_add(made.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+        // Checked again after the binds: a revocation, a release or a close that ran meanwhile
+        // wins (its windows go now).
+        let wanted: HashMap<u64, Access> = self
+            .wanted(peer, rail)
+            .into_iter()
+            .map(|w| (w.id, w.access))
+            .collect();
+        let live = self
+            .peers
+            .load()
+            .get(peer)
+            .is_some_and(|p| p.conns.holds(rail, conn));
+        let mut dropped = Vec::new();
+        let keys = {
+            let mut table = lock(&self.grants.conns);
+            if !live {
+                dropped.extend(made);
+                dropped.extend(table.remove(&key).into_iter().flat_map(|g| g.by_region.into_values()));
+                GrantKeys::default()
+            } else {
+                let entry = table.entry(key).or_insert_with(|| ConnGrants {
+                    peer: peer.to_string(),
+                    by_region: HashMap::new(),
+                });
+                for (w, g) in missing.iter().zip(made) {
+                    match entry.by_region.get(&w.id) {
+                        // A concurrent request bound the same grant first: its key stands.
+                        Some(old) if old.access() == g.access() => dropped.push(g),
+                        _ => dropped.extend(entry.by_region.insert(w.id, g)),
+                    }
+                }
+                let (keep, gone): (HashMap<u64, Grant>, HashMap<u64, Grant>) =
+                    std::mem::take(&mut entry.by_region)
+                        .into_iter()
+                        .partition(|(id, g)| wanted.get(id) == Some(&g.access()));
+                entry.by_region = keep;
+                dropped.extend(gone.into_values());
+                GrantKeys {
+                    by_region: entry
+                        .by_region
+                        .iter()
+                        .map(|(&id, g)| (id, g.rkey()))
+                        .collect(),
+                }
+            }
+        };
+        self.grants.count_revoked(dropped.len());
+        drop(dropped);
+        if !live {
+            return Err(AgentError::SideChannel(format!(
+                "connection {} on rail {rail} to {peer} closed while granting",
+                conn.0
+            )));
+        }
+        Ok(keys)
+    }
+
+    /// Closes our connection `conn` on `rail`: its windows first (their grants end at once),
+    /// then the queue pair.
+    pub(crate) async fn close_conn(&self, rail: usize, conn: ConnId) {
+        self.grants.forget_conn(rail, conn);
+        self.rails.engine(rail).close_connection(conn).await;
+    }
+}
+
+impl Inner {
+    /// `parts` (named with the peer's metadata keys) on their connections: each key replaced
+    /// by our grant key on the part's connection. Keys we lack are asked for once per part
+    /// (`GRANTS`), by `deadline`. Unchanged for a peer without NIC grants.
+    ///
+    /// # Errors
+    /// [`AgentError::NotGranted`] for a region the peer does not grant us on that connection;
+    /// [`AgentError::StaleMetadata`] for a key its metadata no longer has; the side channel's
+    /// errors.
+    pub(crate) async fn on_grants(
+        self: &Arc<Self>,
+        peer: &str,
+        mut parts: Vec<RailPart>,
+        deadline: Instant,
+    ) -> Result<Vec<RailPart>, AgentError> {
+        let p = self.peer(peer)?;
+        if !p.metadata.as_ref().is_some_and(|m| m.grants) {
+            return Ok(parts);
+        }
+        for part in &mut parts {
+            let (rail, conn) = (part.slice.rail, part.conn);
+            let known = match p.conns.keys(rail, conn) {
+                Some(keys) => rekey(&p, peer, &part.slice.remote, keys)?,
+                None => Err(0),
+            };
+            part.slice.remote = match known {
+                Ok(remote) => remote,
+                Err(_) => {
+                    let keys = self.fetch_grants(&p, peer, rail, conn, deadline).await?;
+                    let remote = rekey(&p, peer, &part.slice.remote, &keys)?;
+                    self.set_keys(peer, rail, conn, keys);
+                    remote.map_err(|region| AgentError::NotGranted {
+                        peer: peer.to_string(),
+                        region,
+                    })?
+                }
+            };
+        }
+        Ok(parts)
+    }
+
+    /// Our keys on `peer`'s connection `conn` of `rail`, asked for on the side channel (on a
+    /// control thread: the exchange is blocking TCP), by `deadline`.
+    async fn fetch_grants(
+        self: &Arc<Self>,
+        p: &Peer,
+        peer: &str,
+        rail: usize,
+        conn: ConnId,
+        deadline: Instant,
+    ) -> Result<GrantKeys, AgentError> {
+        let addr = p
+            .metadata
+            .as_ref()
+            .map(|m| m.address.clone())
+            .filter(|a| !a.is_empty())
+            .ok_or_else(|| AgentError::NoSideChannel(peer.to_string()))?;
+        let qpn = p
+            .conns
+            .qpns(rail, conn)
+            .ok_or_else(|| AgentError::StaleMetadata(peer.to_string()))?
+            .peer;
+        let me = Arc::clone(self);
+        let who = peer.to_string();
+        let (tx, rx) = futures_channel::oneshot::channel();
+        std::thread::Builder::new()
+            .name("rixl-grants".into())
+            .spawn(move || {
+                let _ = tx.send(sidechannel::request_grants(
+                    &me, &who, &addr, rail, qpn, deadline,
+                ));
+            })
+            .map_err(AgentError::ControlThread)?;
+        rx.await.unwrap_or(Err(AgentError::Stopped))
+    }
+}
+
+/// `remote` with each metadata key replaced by the key of its region in `keys`: `Err(region)`
+/// for the first region `keys` lacks.
+fn rekey(
+    p: &Peer,
+    peer: &str,
+    remote: &RemoteDescList,
+    keys: &GrantKeys,
+) -> Result<Result<RemoteDescList, u64>, AgentError> {
+    let mut out = Vec::with_capacity(remote.0.len());
+    // Consecutive descriptors mostly share a region: one lookup per run.
+    let mut last: Option<(u32, u32)> = None;
+    for d in &remote.0 {
+        let rkey = match last {
+            Some((from, to)) if from == d.rkey => to,
+            _ => {
+                let info = p
+                    .by_rkey
+                    .get(&d.rkey)
+                    .ok_or_else(|| AgentError::StaleMetadata(peer.to_string()))?;
+                let Some(&to) = keys.by_region.get(&info.id) else {
+                    return Ok(Err(info.id));
+                };
+                last = Some((d.rkey, to));
+                to
+            }
+        };
+        out.push(RemoteDesc { rkey, ..*d });
+    }
+    Ok(Ok(RemoteDescList(out)))
+}
+
+impl Agent {
+    /// Grants `peer` `access` to `reg` (adds it to the registration's visibility, or changes
+    /// its rights): the peer sees the region in our metadata, and its windows are bound when
+    /// it asks for its keys. A change of rights replaces the peer's windows.
+    pub fn grant(&self, reg: &Registration, peer: &str, access: Access) {
+        let before = self
+            .inner
+            .regs
+            .load()
+            .get(&reg.id())
+            .and_then(|r| r.visibility.access_for(peer));
+        self.set_visibility(reg, |v| v.with_access(peer, Some(access)));
+        if before.is_some_and(|b| b != access) {
+            // Windows with the old rights must not outlive the change.
+            self.inner.grants.revoke_region(reg.id(), Some(peer));
+        }
+    }
+
+    /// Revokes `peer`'s grant of `reg`: it leaves the metadata we give `peer`, and the windows
+    /// bound for it are deallocated now, before this returns: the next access with their keys
+    /// completes with a remote access error (and fails the connection it came on). Returns how
+    /// many windows were deallocated.
+    pub fn revoke(&self, reg: &Registration, peer: &str) -> usize {
+        self.set_visibility(reg, |v| v.with_access(peer, None));
+        self.inner.grants.revoke_region(reg.id(), Some(peer))
+    }
+
+    /// How this agent's NIC grants have been made and ended.
+    pub fn grant_counters(&self) -> GrantCounters {
+        self.inner.grants.counters()
+    }
+
+    fn set_visibility(&self, reg: &Registration, f: impl Fn(&Visibility) -> Visibility) {
+        self.inner.regs.update(|regs| {
+            if let Some(r) = regs.get(&reg.id()) {
+                let mut n = super::registry::Reg::clone(r);
+                n.visibility = f(&r.visibility);
+                regs.insert(reg.id(), Arc::new(n));
+            }
+        });
+        self.inner.metadata_changed();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grant_keys_round_trip_and_malformed_lists_are_refused() {
+        let k = GrantKeys {
+            by_region: [(1, 0x100), (7, 0x2ff)].into_iter().collect(),
+        };
+        let b = k.encode();
+        assert_eq!(GrantKeys::decode(&b).expect("decodes"), k);
+        assert!(GrantKeys::decode(&b[..b.len() - 1]).is_err(), "short");
+        assert!(GrantKeys::decode(&[0, 0]).is_err(), "no count");
+        let mut huge = b.clone();
+        huge[..4].copy_from_slice(&u32::MAX.to_be_bytes());
+        assert!(GrantKeys::decode(&huge).is_err(), "a count beyond the bytes");
+        let mut dup = b.clone();
+        dup[16..24].copy_from_slice(&1u64.to_be_bytes());
+        assert!(GrantKeys::decode(&dup).is_err(), "a region twice");
+    }
+}
