@@ -48,3 +48,13 @@ pub fn ipc_handle(data: &[u8]) {
         assert_eq!(h.0.as_slice(), data);
     }
 }
+
+/// Grant keys from a `CONNECT` or `GRANTS` reply: what decodes encodes to the same bytes
+/// (one key per region, in region order).
+pub fn grant_keys(data: &[u8]) {
+    if let Ok(keys) = crate::agent::grants::GrantKeys::decode(data) {
+        let again = keys.encode();
+        let back = crate::agent::grants::GrantKeys::decode(&again).expect("its own bytes decode");
+        assert_eq!(back, keys, "grant keys round trip");
+    }
+}

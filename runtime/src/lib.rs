@@ -21,8 +21,8 @@ pub use desc::{
     LocalDesc, LocalDescList, Op, Region, RemoteDesc, RemoteDescList, SharedMr, WeakMr,
 };
 pub use engine::{
-    Access, ConnId, DescriptorRanges, Engine, EngineConfig, EngineCounters, Message, PollMode,
-    Grant, GrantSpec, PreparedTransfer, Progress, TransferFailure, TransferOptions, TransferStats,
+    Access, ConnId, DescriptorRanges, Engine, EngineConfig, EngineCounters, Grant, GrantSpec,
+    Message, PollMode, PreparedTransfer, Progress, TransferFailure, TransferOptions, TransferStats,
 };
 pub use error::{DeviceFault, InvalidDescriptor, RuntimeError, TransferError};
 pub use file::{

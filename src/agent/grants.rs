@@ -18,9 +18,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use crate::runtime::{
-    Access, ConnId, Grant, GrantSpec, RailPart, Region, RemoteDesc, RemoteDescList,
-};
+use crate::runtime::{Access, ConnId, Grant, GrantSpec, RailPart, Region, RemoteDescList};
 
 use super::config::Visibility;
 use super::peers::Peer;
@@ -214,9 +212,7 @@ impl Inner {
             self.wanted(peer, rail)
                 .into_iter()
                 .filter(|w| {
-                    have.and_then(|g| g.by_region.get(&w.id))
-                        .map(Grant::access)
-                        != Some(w.access)
+                    have.and_then(|g| g.by_region.get(&w.id)).map(Grant::access) != Some(w.access)
                 })
                 .collect()
         };
@@ -251,7 +247,12 @@ impl Inner {
             let mut table = lock(&self.grants.conns);
             if !live {
                 dropped.extend(made);
-                dropped.extend(table.remove(&key).into_iter().flat_map(|g| g.by_region.into_values()));
+                dropped.extend(
+                    table
+                        .remove(&key)
+                        .into_iter()
+                        .flat_map(|g| g.by_region.into_values()),
+                );
                 GrantKeys::default()
             } else {
                 let entry = table.entry(key).or_insert_with(|| ConnGrants {
@@ -282,6 +283,7 @@ impl Inner {
         };
         self.grants.count_revoked(dropped.len());
         drop(dropped);
+        tracing::debug!(agent = %self.name, %peer, rail, conn = conn.0, bound = missing.len(), keys = ?keys.by_region, "granted");
         if !live {
             return Err(AgentError::SideChannel(format!(
                 "connection {} on rail {rail} to {peer} closed while granting",
@@ -301,8 +303,9 @@ impl Inner {
 
 impl Inner {
     /// `parts` (named with the peer's metadata keys) on their connections: each key replaced
-    /// by our grant key on the part's connection. Keys we lack are asked for once per part
-    /// (`GRANTS`), by `deadline`. Unchanged for a peer without NIC grants.
+    /// by our grant key on the part's connection. `p` is the peer as loaded after its
+    /// connections were made; keys it lacks are looked for in the newest snapshot, then asked
+    /// for once per part (`GRANTS`), by `deadline`. Unchanged for a peer without NIC grants.
     ///
     /// # Errors
     /// [`AgentError::NotGranted`] for a region the peer does not grant us on that connection;
@@ -311,31 +314,37 @@ impl Inner {
     pub(crate) async fn on_grants(
         self: &Arc<Self>,
         peer: &str,
+        p: &Arc<Peer>,
         mut parts: Vec<RailPart>,
         deadline: Instant,
     ) -> Result<Vec<RailPart>, AgentError> {
-        let p = self.peer(peer)?;
         if !p.metadata.as_ref().is_some_and(|m| m.grants) {
             return Ok(parts);
         }
+        let mut p = Arc::clone(p);
         for part in &mut parts {
             let (rail, conn) = (part.slice.rail, part.conn);
-            let known = match p.conns.keys(rail, conn) {
-                Some(keys) => rekey(&p, peer, &part.slice.remote, keys)?,
-                None => Err(0),
-            };
-            part.slice.remote = match known {
-                Ok(remote) => remote,
-                Err(_) => {
-                    let keys = self.fetch_grants(&p, peer, rail, conn, deadline).await?;
-                    let remote = rekey(&p, peer, &part.slice.remote, &keys)?;
-                    self.set_keys(peer, rail, conn, keys);
-                    remote.map_err(|region| AgentError::NotGranted {
-                        peer: peer.to_string(),
-                        region,
-                    })?
+            let mut done = false;
+            for fresh in [false, true] {
+                if fresh {
+                    p = self.peer(peer)?;
                 }
-            };
+                if let Some(keys) = p.conns.keys(rail, conn) {
+                    if rekey(&p, peer, &mut part.slice.remote, keys)?.is_ok() {
+                        done = true;
+                        break;
+                    }
+                }
+            }
+            if !done {
+                let keys = self.fetch_grants(&p, peer, rail, conn, deadline).await?;
+                let now = rekey(&p, peer, &mut part.slice.remote, &keys)?;
+                self.set_keys(peer, rail, conn, keys);
+                now.map_err(|region| AgentError::NotGranted {
+                    peer: peer.to_string(),
+                    region,
+                })?;
+            }
         }
         Ok(parts)
     }
@@ -376,35 +385,47 @@ impl Inner {
     }
 }
 
-/// `remote` with each metadata key replaced by the key of its region in `keys`: `Err(region)`
-/// for the first region `keys` lacks.
+/// Puts `remote` (named with the peer's metadata keys) on `keys`: each key replaced by the key
+/// of its region there, in place. `Ok(Err(region))`, with `remote` untouched, for the first
+/// region `keys` lacks.
 fn rekey(
     p: &Peer,
     peer: &str,
-    remote: &RemoteDescList,
+    remote: &mut RemoteDescList,
     keys: &GrantKeys,
-) -> Result<Result<RemoteDescList, u64>, AgentError> {
-    let mut out = Vec::with_capacity(remote.0.len());
+) -> Result<Result<(), u64>, AgentError> {
     // Consecutive descriptors mostly share a region: one lookup per run.
     let mut last: Option<(u32, u32)> = None;
-    for d in &remote.0 {
-        let rkey = match last {
-            Some((from, to)) if from == d.rkey => to,
-            _ => {
-                let info = p
-                    .by_rkey
-                    .get(&d.rkey)
-                    .ok_or_else(|| AgentError::StaleMetadata(peer.to_string()))?;
-                let Some(&to) = keys.by_region.get(&info.id) else {
-                    return Ok(Err(info.id));
-                };
-                last = Some((d.rkey, to));
-                to
+    let mut key_of = |from: u32| -> Result<Result<u32, u64>, AgentError> {
+        if let Some((f, to)) = last {
+            if f == from {
+                return Ok(Ok(to));
             }
-        };
-        out.push(RemoteDesc { rkey, ..*d });
+        }
+        let info = p
+            .by_rkey
+            .get(&from)
+            .ok_or_else(|| AgentError::StaleMetadata(peer.to_string()))?;
+        Ok(match keys.by_region.get(&info.id) {
+            Some(&to) => {
+                last = Some((from, to));
+                Ok(to)
+            }
+            None => Err(info.id),
+        })
+    };
+    // Checked whole first, so that a list with a region lacking stays as it was.
+    for d in &remote.0 {
+        if let Err(region) = key_of(d.rkey)? {
+            return Ok(Err(region));
+        }
     }
-    Ok(Ok(RemoteDescList(out)))
+    for d in &mut remote.0 {
+        if let Ok(to) = key_of(d.rkey)? {
+            d.rkey = to;
+        }
+    }
+    Ok(Ok(()))
 }
 
 impl Agent {
@@ -451,6 +472,55 @@ impl Agent {
     }
 }
 
+/// Test hooks (feature `failpoints`): a member that oversteps its grants.
+#[cfg(feature = "failpoints")]
+impl Agent {
+    /// Posts a WRITE of `local` to `addr` under `rkey` on our rail-0 connection to `peer`,
+    /// past every check of this agent: what a rogue member could post with raw verbs. For tests
+    /// that the NIC enforces grants. A failed connection is retired, as after any transfer.
+    ///
+    /// # Errors
+    /// As [`Self::write`]; the NIC's refusal is a [`crate::runtime::TransferError::RemoteAccess`].
+    pub async fn write_unchecked(
+        &self,
+        peer: &str,
+        local: &crate::runtime::LocalDescList,
+        addr: u64,
+        rkey: u32,
+    ) -> Result<crate::runtime::TransferStats, AgentError> {
+        let deadline = Instant::now() + self.inner.connect_timeout;
+        let conn = super::link::ensure(&self.inner, peer, 0, Some(deadline)).await?;
+        let remote = RemoteDescList(vec![crate::runtime::RemoteDesc {
+            addr,
+            len: local.total_len(),
+            rkey,
+        }]);
+        let r = self
+            .inner
+            .rails
+            .engine(0)
+            .transfer(
+                conn,
+                crate::runtime::Op::Write,
+                local.clone(),
+                remote,
+                crate::runtime::TransferOptions::default(),
+            )
+            .await;
+        if r.is_err() {
+            self.inner.retire_failed(peer, &[(0, conn)]).await;
+        }
+        Ok(r?)
+    }
+
+    /// Our grant keys (region id to rkey) on the rail-0 connection to `peer` transfers use.
+    pub fn grant_keys_of(&self, peer: &str) -> Option<HashMap<u64, u32>> {
+        let p = self.inner.peer(peer).ok()?;
+        let conn = p.conn(0)?;
+        p.conns.keys(0, conn).map(|k| k.by_region.clone())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -466,7 +536,10 @@ mod tests {
         assert!(GrantKeys::decode(&[0, 0]).is_err(), "no count");
         let mut huge = b.clone();
         huge[..4].copy_from_slice(&u32::MAX.to_be_bytes());
-        assert!(GrantKeys::decode(&huge).is_err(), "a count beyond the bytes");
+        assert!(
+            GrantKeys::decode(&huge).is_err(),
+            "a count beyond the bytes"
+        );
         let mut dup = b.clone();
         dup[16..24].copy_from_slice(&1u64.to_be_bytes());
         assert!(GrantKeys::decode(&dup).is_err(), "a region twice");

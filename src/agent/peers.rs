@@ -192,7 +192,10 @@ impl Conns {
         let mut all = Vec::new();
         for v in [&mut self.outbound, &mut self.inbound] {
             for (rail, slot) in v.iter_mut().enumerate() {
-                if slot.as_ref().is_some_and(|s| Some(s.generation) != generation) {
+                if slot
+                    .as_ref()
+                    .is_some_and(|s| Some(s.generation) != generation)
+                {
                     all.extend(slot.take().map(|s| (rail, s.conn)));
                 }
             }
@@ -753,7 +756,10 @@ mod tests {
     #[test]
     fn grant_keys_live_with_their_connection_and_a_connection_is_found_by_its_queue_pair() {
         let mut c = Conns::default();
-        let qpns = QpNumbers { local: 17, peer: 33 };
+        let qpns = QpNumbers {
+            local: 17,
+            peer: 33,
+        };
         c.set(Direction::Inbound, 1, ConnId(4), 1, qpns, None);
         assert_eq!(c.by_local_qpn(1, 17), Some(ConnId(4)));
         assert_eq!(c.by_local_qpn(0, 17), None, "another rail");
@@ -763,7 +769,10 @@ mod tests {
             by_region: [(5, 0x77)].into_iter().collect(),
         });
         assert!(c.set_keys(1, ConnId(4), Arc::clone(&keys)));
-        assert!(!c.set_keys(1, ConnId(5), Arc::clone(&keys)), "no such connection");
+        assert!(
+            !c.set_keys(1, ConnId(5), Arc::clone(&keys)),
+            "no such connection"
+        );
         assert_eq!(c.keys(1, ConnId(4)), Some(&keys));
         assert_eq!(c.qpns(1, ConnId(4)), Some(qpns));
         // A replacement starts without the old connection's keys.
@@ -775,19 +784,59 @@ mod tests {
     fn transfers_use_the_outbound_connection_else_the_inbound_one_and_removal_is_by_id() {
         let mut c = Conns::default();
         assert_eq!(c.get(0), None);
-        assert_eq!(c.set(Direction::Inbound, 0, ConnId(7), 1, QpNumbers::default(), None), None);
+        assert_eq!(
+            c.set(
+                Direction::Inbound,
+                0,
+                ConnId(7),
+                1,
+                QpNumbers::default(),
+                None
+            ),
+            None
+        );
         assert_eq!(
             c.get(0),
             Some(ConnId(7)),
             "the peer's connection serves us too"
         );
-        assert_eq!(c.set(Direction::Outbound, 0, ConnId(3), 1, QpNumbers::default(), None), None);
+        assert_eq!(
+            c.set(
+                Direction::Outbound,
+                0,
+                ConnId(3),
+                1,
+                QpNumbers::default(),
+                None
+            ),
+            None
+        );
         assert_eq!(c.get(0), Some(ConnId(3)), "ours first");
-        assert_eq!(c.set(Direction::Inbound, 2, ConnId(9), 1, QpNumbers::default(), None), None);
+        assert_eq!(
+            c.set(
+                Direction::Inbound,
+                2,
+                ConnId(9),
+                1,
+                QpNumbers::default(),
+                None
+            ),
+            None
+        );
         assert_eq!((c.get(1), c.get(2)), (None, Some(ConnId(9))));
         assert_eq!(c.len(), 3);
         // A new inbound connection replaces only the peer's earlier one.
-        assert_eq!(c.set(Direction::Inbound, 0, ConnId(8), 1, QpNumbers::default(), None), Some(ConnId(7)));
+        assert_eq!(
+            c.set(
+                Direction::Inbound,
+                0,
+                ConnId(8),
+                1,
+                QpNumbers::default(),
+                None
+            ),
+            Some(ConnId(7))
+        );
         assert_eq!(c.get(0), Some(ConnId(3)));
         // Removal names the connection: a stale id removes nothing.
         assert!(!c.remove(0, ConnId(7)));
@@ -802,10 +851,31 @@ mod tests {
     #[test]
     fn a_rejoined_peer_loses_its_old_incarnations_connections_and_keeps_its_new_ones() {
         let mut c = Conns::default();
-        c.set(Direction::Outbound, 0, ConnId(1), 10, QpNumbers::default(), None);
-        c.set(Direction::Inbound, 1, ConnId(2), 10, QpNumbers::default(), None);
+        c.set(
+            Direction::Outbound,
+            0,
+            ConnId(1),
+            10,
+            QpNumbers::default(),
+            None,
+        );
+        c.set(
+            Direction::Inbound,
+            1,
+            ConnId(2),
+            10,
+            QpNumbers::default(),
+            None,
+        );
         // The new incarnation (generation 11) connected to us before its metadata arrived.
-        c.set(Direction::Inbound, 0, ConnId(3), 11, QpNumbers::default(), None);
+        c.set(
+            Direction::Inbound,
+            0,
+            ConnId(3),
+            11,
+            QpNumbers::default(),
+            None,
+        );
         let mut stale = c.take_except(Some(11));
         stale.sort_by_key(|&(rail, conn)| (rail, conn.0));
         assert_eq!(stale, vec![(0, ConnId(1)), (1, ConnId(2))]);

@@ -595,14 +595,22 @@ impl Inner {
             .filter(|(_, r)| r.region.registration().is_some() || r.export.is_some())
             .map(|(&id, r)| {
                 let mut rail_rkeys = [0u32; MAX_RAILS - 1];
-                for (k, x) in rail_rkeys.iter_mut().zip(&r.rails) {
-                    *k = x.rkey();
-                }
+                // With NIC grants the keys only name the region (a registration without
+                // remote access has rkey 0 on some devices, and regions served by one cached
+                // registration share its key): its id names it, unique among live regions.
+                let rkey = if self.nic_grants {
+                    id as u32
+                } else {
+                    for (k, x) in rail_rkeys.iter_mut().zip(&r.rails) {
+                        *k = x.rkey();
+                    }
+                    r.region.rkey()
+                };
                 RegionInfo {
                     id,
                     addr: r.region.addr(),
                     len: r.region.len(),
-                    rkey: r.region.rkey(),
+                    rkey,
                     kind: if r.region.is_gpu() {
                         MemKind::Vram
                     } else {

@@ -361,7 +361,7 @@ impl Agent {
         if rails > 1 {
             tracing::debug!(agent = %self.inner.name, %peer, rails = parts.len(), "striped transfer");
         }
-        let parts = self.inner.on_grants(peer, parts, deadline).await?;
+        let parts = self.inner.on_grants(peer, &now, parts, deadline).await?;
         let transport = RdmaTransport {
             rails: &self.inner.rails,
         };
@@ -518,7 +518,8 @@ impl Agent {
                         conn,
                     }]
                 };
-                let parts = self.inner.on_grants(peer, parts, deadline).await?;
+                let now = self.inner.peer(peer)?;
+                let parts = self.inner.on_grants(peer, &now, parts, deadline).await?;
                 RequestPath::Rdma(self.inner.rails.prepare(op, parts).await?)
             }
         };

@@ -41,8 +41,8 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 
 use super::auth::{self, AuthError, NONCE_LEN, TAG_LEN};
-use super::metadata::MAX_BLOB;
 use super::grants::GrantKeys;
+use super::metadata::MAX_BLOB;
 use super::peers::{Direction, NewConn, QpNumbers};
 use super::snapshot::lock;
 use super::{AgentError, Inner};
@@ -430,7 +430,14 @@ pub(super) fn request_connection(
         hex::encode(mine.to_bytes()),
         me.generation
     );
-    let line = exchange(me, addr, Some(peer), &request, keys_reply_limit(me), deadline)?;
+    let line = exchange(
+        me,
+        addr,
+        Some(peer),
+        &request,
+        keys_reply_limit(me),
+        deadline,
+    )?;
     let mut f = line.split(' ');
     let endpoint = Endpoint::from_bytes(&decode_hex(f.next().unwrap_or_default())?).map_err(sc)?;
     let keys = f
@@ -751,7 +758,11 @@ async fn answer(inner: &Arc<Inner>, requester: &str, request: &str) -> Result<St
                 .load()
                 .get(requester)
                 .and_then(|p| p.conns.by_local_qpn(rail, qpn))
-                .ok_or_else(|| sc(format!("no connection of {requester} on rail {rail} is queue pair {qpn}")))?;
+                .ok_or_else(|| {
+                    sc(format!(
+                        "no connection of {requester} on rail {rail} is queue pair {qpn}"
+                    ))
+                })?;
             let (inner, requester) = (Arc::clone(inner), requester.to_string());
             let keys = tokio::spawn(async move { inner.grant_conn(&requester, rail, conn).await })
                 .await

@@ -688,7 +688,12 @@ impl QueuePair {
         let rkey = unsafe {
             self.post_bind_window(&mut window, reg.memory_region(), addr, len, access, wr_id)?
         };
-        Ok(BoundWindow::new(window, rkey, std::sync::Arc::clone(self), keep))
+        Ok(BoundWindow::new(
+            window,
+            rkey,
+            std::sync::Arc::clone(self),
+            keep,
+        ))
     }
 
     /// Posts a local invalidation of `rkey`, the key of a window bound on this queue pair:

@@ -62,6 +62,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "connect",
             format!("{proof} CONNECT {} 0 12345\n", "00".repeat(27)),
         ),
+        ("grants", format!("{proof} GRANTS 0 17\n")),
         ("err", "ERR authentication failed\n".to_string()),
     ];
     for (name, l) in lines {
@@ -70,6 +71,14 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     write(&dir, "endpoint", "zeros", &[0u8; 27])?;
     write(&dir, "endpoint", "ones", &[1u8; 27])?;
     write(&dir, "ipc_handle", "handle", &[7u8; 64])?;
+    // count u32, then (region u64, rkey u32) per key, big-endian.
+    let mut keys = 2u32.to_be_bytes().to_vec();
+    for (region, rkey) in [(1u64, 0x100u32), (7, 0x2ff)] {
+        keys.extend_from_slice(&region.to_be_bytes());
+        keys.extend_from_slice(&rkey.to_be_bytes());
+    }
+    write(&dir, "grant_keys", "two", &keys)?;
+    write(&dir, "grant_keys", "none", &0u32.to_be_bytes())?;
     println!("seeds written under {}", dir.display());
     Ok(())
 }

@@ -103,31 +103,32 @@ impl Engine {
             };
             let mut bound = None;
             let mut refused = None;
-            let posting = inner
-                .core
-                .borrow_mut()
-                .post_control(conn, Op::Write, keep, |q, wr_id| {
-                    let (addr, len) = (spec.region.addr(), spec.region.len());
-                    match q.qp.bind_window(
-                        window,
-                        spec.region,
-                        Region::registration,
-                        addr,
-                        len,
-                        spec.access.flags(),
-                        wr_id,
-                    ) {
-                        Ok(b) => {
-                            bound = Some(b);
-                            Ok(())
+            let posting =
+                inner
+                    .core
+                    .borrow_mut()
+                    .post_control(conn, Op::Write, keep, |q, wr_id| {
+                        let (addr, len) = (spec.region.addr(), spec.region.len());
+                        match q.qp.bind_window(
+                            window,
+                            spec.region,
+                            Region::registration,
+                            addr,
+                            len,
+                            spec.access.flags(),
+                            wr_id,
+                        ) {
+                            Ok(b) => {
+                                bound = Some(b);
+                                Ok(())
+                            }
+                            Err(e) => {
+                                let shown = rixl_verbs::Error::InvalidArgument(e.to_string());
+                                refused = Some(e);
+                                Err(shown)
+                            }
                         }
-                        Err(e) => {
-                            let shown = rixl_verbs::Error::InvalidArgument(e.to_string());
-                            refused = Some(e);
-                            Err(shown)
-                        }
-                    }
-                });
+                    });
             let guard = SlotGuard {
                 inner: Rc::clone(&inner),
                 posting,

@@ -239,9 +239,7 @@ impl Engine {
         let pd = self.inner.pd.clone();
         let access = self.registration_access();
         let reg = glommio::executor()
-            .spawn_blocking(move || {
-                rixl_verbs::SharedRegistration::register(&pd, mem, access)
-            })
+            .spawn_blocking(move || rixl_verbs::SharedRegistration::register(&pd, mem, access))
             .await?;
         Ok(Region::shared(reg, self.inner.id))
     }
@@ -260,9 +258,7 @@ impl Engine {
         let pd = self.inner.pd.clone();
         let access = self.registration_access();
         let reg = glommio::executor()
-            .spawn_blocking(move || {
-                rixl_verbs::SharedRegistration::register(&pd, mem, access)
-            })
+            .spawn_blocking(move || rixl_verbs::SharedRegistration::register(&pd, mem, access))
             .await?;
         Ok(SharedMr::new(reg, self.inner.id))
     }
@@ -299,9 +295,7 @@ impl Engine {
         let pd = self.inner.pd.clone();
         let access = self.registration_access();
         let reg = glommio::executor()
-            .spawn_blocking(move || {
-                rixl_gpudirect::GpuRegistration::register(&pd, mem, access)
-            })
+            .spawn_blocking(move || rixl_gpudirect::GpuRegistration::register(&pd, mem, access))
             .await?;
         Ok(Region::gpu(reg, self.inner.id))
     }
