@@ -753,16 +753,27 @@ async fn answer(inner: &Arc<Inner>, requester: &str, request: &str) -> Result<St
             ))
         }
         Request::Grants { rail, qpn } => {
-            let conn = inner
-                .peers
-                .load()
-                .get(requester)
-                .and_then(|p| p.conns.by_local_qpn(rail, qpn))
-                .ok_or_else(|| {
-                    sc(format!(
+            // The requester may ask as soon as our CONNECT reached it, before our set-up has
+            // recorded the connection: it is waited for (half the set-up timeout at most).
+            let find = || {
+                inner
+                    .peers
+                    .load()
+                    .get(requester)
+                    .and_then(|p| p.conns.by_local_qpn(rail, qpn))
+            };
+            let until = Instant::now() + inner.connect_timeout / 2;
+            let conn = loop {
+                if let Some(c) = find() {
+                    break c;
+                }
+                if Instant::now() >= until {
+                    return Err(sc(format!(
                         "no connection of {requester} on rail {rail} is queue pair {qpn}"
-                    ))
-                })?;
+                    )));
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            };
             let (inner, requester) = (Arc::clone(inner), requester.to_string());
             let keys = tokio::spawn(async move { inner.grant_conn(&requester, rail, conn).await })
                 .await
