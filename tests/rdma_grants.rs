@@ -157,19 +157,37 @@ fn grant_read_only_grants_refuse_writes_at_the_nic() {
     // The failed connection is replaced; reading goes on.
     block_on(reader.read(&peer, &list(&dst), &whole(&weights))).expect("reads again");
     assert!(contents(&dst) == before);
-    // Rights changed by name: read-write for this reader now.
-    owner.grant(&weights, &peer_name(&reader), Access::ReadWrite);
+    // Rights per agent need a region granted by name: read-only for this reader first, then
+    // read-write (its read-only window is deallocated at once).
+    assert!(matches!(
+        owner.grant(&weights, &peer_name(&reader), Access::ReadWrite),
+        Err(AgentError::UnnamedRegion(_))
+    ));
+    let named = patterned_region(
+        &owner,
+        8,
+        Visibility::Granted(vec![PeerAccess {
+            agent: peer_name(&reader),
+            access: Access::Read,
+        }]),
+    );
     reader.fetch_remote_metadata(&addr).expect("metadata again");
-    dst.region().write_at(0, &patterned(LEN, 8)).expect("fill");
-    let mut wrote = block_on(reader.write(&peer, &list(&dst), &whole(&weights)));
+    block_on(reader.read(&peer, &list(&dst), &whole(&named))).expect("a read grant reads");
+    assert!(block_on(reader.write(&peer, &list(&dst), &whole(&named))).is_err());
+    owner
+        .grant(&named, &peer_name(&reader), Access::ReadWrite)
+        .expect("rights by name");
+    reader.fetch_remote_metadata(&addr).expect("metadata again");
+    dst.region().write_at(0, &patterned(LEN, 9)).expect("fill");
+    let mut wrote = block_on(reader.write(&peer, &list(&dst), &whole(&named)));
     if wrote.is_err() {
         // The connection still held the read-only window's key: one failure, then a new one.
-        wrote = block_on(reader.write(&peer, &list(&dst), &whole(&weights)));
+        wrote = block_on(reader.write(&peer, &list(&dst), &whole(&named)));
     }
     wrote.expect("a read-write grant writes");
-    assert!(contents(&weights) == contents(&dst));
+    assert!(contents(&named) == contents(&dst));
     report(&format!(
-        "grant_: read-only WRITE -> {w}; after grant(ReadWrite) the write landed"
+        "grant_: read-only WRITE -> {w}; after grant(ReadWrite) by name the write landed"
     ));
 }
 
@@ -205,7 +223,7 @@ fn grant_revoking_invalidating_and_releasing_end_access_at_once() {
     let live = owner.grant_counters().live;
     // Revoke B's grant: its window is deallocated before revoke returns.
     let t0 = Instant::now();
-    let n = owner.revoke(&granted, "grant-rv-b");
+    let n = owner.revoke(&granted, "grant-rv-b").expect("revoke");
     let revoke_took = t0.elapsed();
     assert_eq!(n, 1, "one window (B's, rail 0)");
     let b_err = block_on(b.read("grant-rv-owner", &list(&dst_b), &whole(&granted)))
@@ -227,6 +245,10 @@ fn grant_revoking_invalidating_and_releasing_end_access_at_once() {
         ),
         "typed refusal after the revocation: {again:?}"
     );
+    assert!(matches!(
+        owner.revoke(&shared, "grant-rv-c"),
+        Err(AgentError::UnnamedRegion(_))
+    ));
     // Invalidating C deallocates every window of C at once.
     let c_key = c.grant_keys_of("grant-rv-owner").expect("C holds keys")[&shared.id()];
     block_on(owner.invalidate_remote("grant-rv-c"));

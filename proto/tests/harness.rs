@@ -1354,6 +1354,51 @@ fn a_single_send_is_signaled_and_keeps_its_buffer_until_completion() {
 }
 
 #[test]
+fn a_control_request_takes_a_credit_and_its_completion_ends_its_slot_and_a_refusal_takes_none() {
+    // A memory-window bind is such a request: built by the caller, accounted by the core.
+    let mut fx = Fx::with(config(), 2);
+    let mut cx = Context::from_waker(Waker::noop());
+    let mut p = fx
+        .core
+        .post_control(fx.conn, Op::Write, Rc::clone(&fx.keep), |q, wr_id| {
+            rixl_proto::SendQueue::push(
+                q,
+                wr_id,
+                SendOp::Send,
+                &[],
+                rixl_proto::SendFlags::SIGNALED,
+            );
+            Ok(())
+        });
+    assert_eq!(fx.nic.posted().len(), 1, "posted with one doorbell");
+    assert_eq!(fx.held(), 1, "its keep-alive is held until it completes");
+    assert!(
+        fx.core.poll_credits(fx.conn, 2, &mut cx).is_pending(),
+        "one credit taken"
+    );
+    fx.nic.complete_all();
+    assert_eq!(fx.poll_noop(&mut p), Poll::Ready(Ok(())));
+    assert_eq!(fx.held(), 0);
+    assert!(
+        fx.core.poll_credits(fx.conn, 2, &mut cx).is_ready(),
+        "the credit is back"
+    );
+    // A request the caller could not build fails its slot, takes no credit, posts nothing.
+    let mut refused = fx
+        .core
+        .post_control(fx.conn, Op::Write, Rc::clone(&fx.keep), |_, _| {
+            Err(rixl_proto::harness::Refused("bind"))
+        });
+    assert!(matches!(
+        fx.poll_noop(&mut refused),
+        Poll::Ready(Err(TransferError::Post(_)))
+    ));
+    assert_eq!(fx.nic.posted().len(), 1);
+    assert!(fx.core.poll_credits(fx.conn, 2, &mut cx).is_ready());
+    assert_eq!(fx.held(), 0);
+}
+
+#[test]
 fn the_virtual_clock_moves_only_when_told() {
     let clock = VirtualClock::new();
     let t0 = clock.now();

@@ -1,7 +1,7 @@
 //! Agent identity: the agents of one cluster share a secret key, and prove they hold it.
 //!
 //! - Every side-channel connection is mutually authenticated by an HMAC-SHA256
-//!   challenge-response before the name a peer claims is believed (see [`super::sidechannel`]).
+//!   challenge-response before the name a peer claims is believed (see the side channel, `docs/security.md`).
 //! - Every metadata blob carries an HMAC-SHA256 tag over its content, the agent's name
 //!   included, checked on load: on the side channel, in etcd, and from the application.
 //!

@@ -47,11 +47,10 @@ impl Visibility {
         self.access_for(reader).is_some()
     }
 
-    /// This visibility with `agent`'s rights set to `access` (`None`: none); everyone else's
-    /// rights are kept (an `All` or `ReadOnly` region becomes a list of the named agents only
-    /// when rights are taken away: revoking one reader of a region every peer sees leaves it
-    /// visible to no one else by name, so such regions are best granted by name).
-    pub(crate) fn with_access(&self, agent: &str, access: Option<Access>) -> Visibility {
+    /// This visibility with `agent`'s rights set to `access` (`None`: none), everyone else's
+    /// kept; `None` for a region every peer sees (`All`, `ReadOnly`), whose rights are not
+    /// per agent.
+    pub(crate) fn with_access(&self, agent: &str, access: Option<Access>) -> Option<Visibility> {
         let mut list: Vec<PeerAccess> = match self {
             Visibility::Only(names) => names
                 .iter()
@@ -61,14 +60,14 @@ impl Visibility {
                 })
                 .collect(),
             Visibility::Granted(g) => g.clone(),
-            Visibility::All | Visibility::ReadOnly => Vec::new(),
+            Visibility::All | Visibility::ReadOnly => return None,
         };
         list.retain(|p| p.agent != agent);
         list.extend(access.map(|access| PeerAccess {
             agent: agent.to_string(),
             access,
         }));
-        Visibility::Granted(list)
+        Some(Visibility::Granted(list))
     }
 }
 

@@ -51,6 +51,10 @@ pub enum AgentError {
         /// The region id.
         region: u64,
     },
+    /// Rights per agent were asked for a region every peer sees ([`super::Visibility::All`],
+    /// [`super::Visibility::ReadOnly`]).
+    #[error("region {0} is visible to every peer: rights per agent need Visibility::Only or Visibility::Granted")]
+    UnnamedRegion(u64),
     /// This agent has no such region reachable by the reader (not registered, released, or
     /// scoped to other agents).
     #[error("no local region {0} is registered and visible to the reader")]

@@ -20,7 +20,6 @@ use std::time::Instant;
 
 use crate::runtime::{Access, ConnId, Grant, GrantSpec, RailPart, Region, RemoteDescList};
 
-use super::config::Visibility;
 use super::peers::Peer;
 use super::sidechannel;
 use super::snapshot::lock;
@@ -147,6 +146,12 @@ impl GrantTable {
         });
         self.count_revoked(n);
         n
+    }
+
+    /// Deallocates every window (the agent is shutting down).
+    pub fn revoke_all(&self) {
+        let all = std::mem::take(&mut *lock(&self.conns));
+        self.count_revoked(all.values().map(|g| g.by_region.len()).sum());
     }
 
     pub fn counters(&self) -> GrantCounters {
@@ -430,45 +435,65 @@ fn rekey(
 
 impl Agent {
     /// Grants `peer` `access` to `reg` (adds it to the registration's visibility, or changes
-    /// its rights): the peer sees the region in our metadata, and its windows are bound when
-    /// it asks for its keys. A change of rights replaces the peer's windows.
-    pub fn grant(&self, reg: &Registration, peer: &str, access: Access) {
-        let before = self
-            .inner
-            .regs
-            .load()
-            .get(&reg.id())
-            .and_then(|r| r.visibility.access_for(peer));
-        self.set_visibility(reg, |v| v.with_access(peer, Some(access)));
+    /// its rights): the peer sees the region in our metadata, and its window is bound when it
+    /// asks for its keys. A change of rights deallocates the peer's windows with the old ones
+    /// before this returns.
+    ///
+    /// # Errors
+    /// [`AgentError::UnnamedRegion`] for a region every peer sees ([`super::Visibility::All`],
+    /// [`super::Visibility::ReadOnly`]): rights per agent need one registered with
+    /// [`super::Visibility::Only`] or [`super::Visibility::Granted`]; [`AgentError::UnknownLocalRegion`] for
+    /// one released.
+    pub fn grant(&self, reg: &Registration, peer: &str, access: Access) -> Result<(), AgentError> {
+        let before = self.set_access(reg, peer, Some(access))?;
         if before.is_some_and(|b| b != access) {
             // Windows with the old rights must not outlive the change.
             self.inner.grants.revoke_region(reg.id(), Some(peer));
         }
+        Ok(())
     }
 
     /// Revokes `peer`'s grant of `reg`: it leaves the metadata we give `peer`, and the windows
-    /// bound for it are deallocated now, before this returns: the next access with their keys
+    /// bound for it are deallocated before this returns: the next access with their keys
     /// completes with a remote access error (and fails the connection it came on). Returns how
     /// many windows were deallocated.
-    pub fn revoke(&self, reg: &Registration, peer: &str) -> usize {
-        self.set_visibility(reg, |v| v.with_access(peer, None));
-        self.inner.grants.revoke_region(reg.id(), Some(peer))
+    ///
+    /// # Errors
+    /// As [`Self::grant`].
+    pub fn revoke(&self, reg: &Registration, peer: &str) -> Result<usize, AgentError> {
+        self.set_access(reg, peer, None)?;
+        Ok(self.inner.grants.revoke_region(reg.id(), Some(peer)))
+    }
+
+    /// Sets `peer`'s rights to `reg`; returns its rights before.
+    fn set_access(
+        &self,
+        reg: &Registration,
+        peer: &str,
+        access: Option<Access>,
+    ) -> Result<Option<Access>, AgentError> {
+        let id = reg.id();
+        let outcome = self.inner.regs.update(|regs| {
+            let r = regs.get(&id).ok_or(AgentError::UnknownLocalRegion(id))?;
+            let before = r.visibility.access_for(peer);
+            let visibility = r
+                .visibility
+                .with_access(peer, access)
+                .ok_or(AgentError::UnnamedRegion(id))?;
+            let mut n = super::registry::Reg::clone(r);
+            n.visibility = visibility;
+            regs.insert(id, Arc::new(n));
+            Ok(before)
+        });
+        if outcome.is_ok() {
+            self.inner.metadata_changed();
+        }
+        outcome
     }
 
     /// How this agent's NIC grants have been made and ended.
     pub fn grant_counters(&self) -> GrantCounters {
         self.inner.grants.counters()
-    }
-
-    fn set_visibility(&self, reg: &Registration, f: impl Fn(&Visibility) -> Visibility) {
-        self.inner.regs.update(|regs| {
-            if let Some(r) = regs.get(&reg.id()) {
-                let mut n = super::registry::Reg::clone(r);
-                n.visibility = f(&r.visibility);
-                regs.insert(reg.id(), Arc::new(n));
-            }
-        });
-        self.inner.metadata_changed();
     }
 }
 

@@ -293,6 +293,8 @@ impl Agent {
         if let Some(m) = lock(&self.inner.membership).take() {
             m.stop();
         }
+        // Every grant ends before the queue pairs go (a window keeps its queue pair alive).
+        self.inner.grants.revoke_all();
         for p in lock(&self.inner.pools).drain(..) {
             p.shutdown();
         }
