@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 
 use futures_channel::oneshot;
 
+use super::conns::{Direction, NewConn, QpNumbers};
 use super::grants::GrantKeys;
-use super::peers::{Direction, NewConn, QpNumbers};
 use super::snapshot::lock;
 use super::{sidechannel, AgentError, Inner};
 use crate::runtime::ConnId;

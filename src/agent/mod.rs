@@ -13,6 +13,7 @@
 pub mod auth;
 mod cache;
 mod config;
+mod conns;
 pub(crate) mod error;
 mod estimate;
 mod etcd;

@@ -41,9 +41,9 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
 
 use super::auth::{self, AuthError, NONCE_LEN, TAG_LEN};
+use super::conns::{Direction, NewConn, QpNumbers};
 use super::grants::GrantKeys;
 use super::metadata::MAX_BLOB;
-use super::peers::{Direction, NewConn, QpNumbers};
 use super::snapshot::lock;
 use super::{AgentError, Inner};
 use crate::verbs::Endpoint;
