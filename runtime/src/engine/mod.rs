@@ -207,7 +207,7 @@ impl Engine {
 
     /// The access memory is registered with: with window grants, local access and `MW_BIND`
     /// only (peers reach it through the windows [`Self::grant`] binds); otherwise remote read
-    /// and write through the region's own rkey, and `MW_BIND`.
+    /// and write through the region's own rkey (no windows can be bound over it).
     pub fn registration_access(&self) -> AccessFlags {
         registration_access(&self.inner.cfg)
     }
@@ -524,6 +524,6 @@ fn registration_access(cfg: &EngineConfig) -> AccessFlags {
     if cfg.window_grants {
         AccessFlags::LOCAL_WRITE | AccessFlags::MW_BIND
     } else {
-        AccessFlags::ALL_RDMA | AccessFlags::MW_BIND
+        AccessFlags::ALL_RDMA
     }
 }
