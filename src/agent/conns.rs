@@ -66,12 +66,16 @@ impl Conns {
         }
     }
 
+    /// The slots on `rail`: ours first, then the peer's.
+    fn slots(&self, rail: usize) -> impl Iterator<Item = &Slot> {
+        [&self.outbound, &self.inbound]
+            .into_iter()
+            .filter_map(move |v| v.get(rail).and_then(Option::as_ref))
+    }
+
     /// The slot transfers on `rail` use: ours, else the peer's.
     fn active(&self, rail: usize) -> Option<&Slot> {
-        fn at(v: &[Option<Slot>], rail: usize) -> Option<&Slot> {
-            v.get(rail).and_then(Option::as_ref)
-        }
-        at(&self.outbound, rail).or_else(|| at(&self.inbound, rail))
+        self.slots(rail).next()
     }
 
     /// The connection transfers on `rail` use.
@@ -96,18 +100,13 @@ impl Conns {
 
     /// Our connection on `rail` whose queue pair is `qpn`.
     pub fn by_local_qpn(&self, rail: usize, qpn: u32) -> Option<ConnId> {
-        [&self.outbound, &self.inbound]
-            .into_iter()
-            .filter_map(|v| v.get(rail).and_then(Option::as_ref))
+        self.slots(rail)
             .find(|s| s.qpns.local == qpn)
             .map(|s| s.conn)
     }
 
     fn slot(&self, rail: usize, conn: ConnId) -> Option<&Slot> {
-        [&self.outbound, &self.inbound]
-            .into_iter()
-            .filter_map(|v| v.get(rail).and_then(Option::as_ref))
-            .find(|s| s.conn == conn)
+        self.slots(rail).find(|s| s.conn == conn)
     }
 
     /// Records the peer's grant keys on `conn` (on `rail`); whether the connection is there.

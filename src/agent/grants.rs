@@ -364,12 +364,7 @@ impl Inner {
         conn: ConnId,
         deadline: Instant,
     ) -> Result<GrantKeys, AgentError> {
-        let addr = p
-            .metadata
-            .as_ref()
-            .map(|m| m.address.clone())
-            .filter(|a| !a.is_empty())
-            .ok_or_else(|| AgentError::NoSideChannel(peer.to_string()))?;
+        let addr = p.side_channel(peer)?;
         let qpn = p
             .conns
             .qpns(rail, conn)

@@ -315,12 +315,10 @@ async fn setup(
     }
     let addr = |inner: &Inner| -> Result<String, AgentError> {
         let peers = inner.peers.load();
-        peers
+        let p = peers
             .get(&key.peer)
-            .and_then(|p| p.metadata.as_ref())
-            .map(|m| m.address.clone())
-            .filter(|a| !a.is_empty())
-            .ok_or_else(|| AgentError::NoSideChannel(key.peer.clone()))
+            .ok_or_else(|| AgentError::NoSideChannel(key.peer.clone()))?;
+        p.side_channel(&key.peer)
     };
     if refetch {
         let blob = sidechannel::fetch_metadata(inner, &addr(inner)?, Some(&key.peer), deadline)?;

@@ -84,6 +84,18 @@ impl Peer {
         }
     }
 
+    /// Where its side channel listens (`name` is the peer's, for the error).
+    ///
+    /// # Errors
+    /// [`AgentError::NoSideChannel`] without metadata or without an address in it.
+    pub fn side_channel(&self, name: &str) -> Result<String, AgentError> {
+        self.metadata
+            .as_ref()
+            .map(|m| m.address.clone())
+            .filter(|a| !a.is_empty())
+            .ok_or_else(|| AgentError::NoSideChannel(name.to_string()))
+    }
+
     /// Its metadata's generation, if loaded.
     pub fn generation(&self) -> Option<u64> {
         self.metadata.as_ref().map(|m| m.generation)
