@@ -6,6 +6,8 @@ pub mod agent;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod object;
+pub mod staging;
 mod transport;
 
 /// The ibverbs layer (`rixl-verbs`): devices, protection domains, memory regions, queue pairs.

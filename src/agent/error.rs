@@ -174,6 +174,9 @@ pub enum AgentError {
     /// A FILE registration failed.
     #[error(transparent)]
     File(#[from] FileError),
+    /// An OBJECT registration or transfer failed.
+    #[error(transparent)]
+    Object(#[from] crate::object::ObjectError),
     /// The NIC refused to register caller memory: `EFAULT` for an unmapped range or read-only
     /// memory (every registration allows local and remote writes), `ENOMEM` past the memlock
     /// limit.

@@ -94,6 +94,8 @@ pub(crate) struct Inner {
     nic_grants: bool,
     /// The windows bound for peers.
     grants: grants::GrantTable,
+    /// The OBJECT tier's I/O threads, started by the first object registration.
+    objects: std::sync::OnceLock<Arc<crate::object::Runtime>>,
 }
 
 /// The side channel's bounds ([`AgentConfig::max_side_channel_connections`],
@@ -211,8 +213,18 @@ impl Agent {
                 side_counters: Default::default(),
                 nic_grants: cfg.nic_grants,
                 grants: Default::default(),
+                objects: std::sync::OnceLock::new(),
             }),
         })
+    }
+
+    /// The OBJECT tier's I/O threads (started on first use).
+    pub(crate) fn object_runtime(&self) -> Result<Arc<crate::object::Runtime>, AgentError> {
+        if let Some(rt) = self.inner.objects.get() {
+            return Ok(Arc::clone(rt));
+        }
+        let rt = Arc::new(crate::object::Runtime::start(&self.inner.name)?);
+        Ok(Arc::clone(self.inner.objects.get_or_init(|| rt)))
     }
 
     /// The agent's name.

@@ -288,3 +288,5 @@ mod tests {
         assert_eq!(&c[..], &a[50..150]);
     }
 }
+
+pub mod s3;
