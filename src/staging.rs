@@ -24,7 +24,7 @@ use futures_util::stream::{self, Stream, StreamExt};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use crate::gpudirect::PinnedHostMemory;
-use crate::runtime::Region;
+use crate::runtime::{LocalDescList, Region};
 
 /// A staging error.
 #[derive(Debug, thiserror::Error)]
@@ -58,6 +58,9 @@ pub enum StagingError {
     /// The pool was closed.
     #[error("the bounce pool is closed")]
     Closed,
+    /// The I/O threads went away before the transfer finished.
+    #[error("the staging I/O threads went away")]
+    ThreadGone,
     /// A chunk does not fit one bounce buffer.
     #[error("a chunk of {len} bytes does not fit the pool's {buffer_len}-byte buffers")]
     Oversized {
@@ -339,6 +342,52 @@ impl BouncePool {
     }
 }
 
+/// A host pool and, made the first time a GPU's memory is staged, a pinned one: the pool a
+/// transfer's memory should be staged through. Cheap to clone (shared).
+#[derive(Debug, Clone)]
+pub struct StagingPools {
+    host: BouncePool,
+    pinned: Arc<Mutex<Option<BouncePool>>>,
+}
+
+impl StagingPools {
+    /// Pools of at most `capacity` buffers of `buffer_len` bytes each.
+    pub fn new(buffer_len: usize, capacity: usize) -> Self {
+        StagingPools {
+            host: BouncePool::new(buffer_len, capacity, BounceSource::Host),
+            pinned: Arc::new(Mutex::new(None)),
+        }
+    }
+
+    /// The host pool.
+    pub fn host(&self) -> &BouncePool {
+        &self.host
+    }
+
+    /// The pool for `local`: pinned memory of the first GPU region's context, or the host
+    /// pool.
+    pub fn pool_for(&self, local: &LocalDescList) -> BouncePool {
+        let gpu = local
+            .regions()
+            .iter()
+            .find_map(|r| r.gpu_memory().map(|g| Arc::clone(g.gpu())));
+        let Some(gpu) = gpu else {
+            return self.host.clone();
+        };
+        self.pinned
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get_or_insert_with(|| {
+                BouncePool::new(
+                    self.host.buffer_len(),
+                    self.host.capacity(),
+                    BounceSource::Pinned(gpu),
+                )
+            })
+            .clone()
+    }
+}
+
 /// A bounce buffer on loan from a [`BouncePool`]; it goes back when dropped (also when it was
 /// turned into [`bytes::Bytes`] and the last of those is dropped).
 pub struct Bounce {
@@ -400,6 +449,42 @@ impl Drop for Bounce {
         }
         self.pool.in_use.fetch_sub(1, Ordering::Relaxed);
     }
+}
+
+/// Where each descriptor of `local` starts in the stream (the list's bytes read in order).
+pub fn stream_starts(local: &LocalDescList) -> Vec<u64> {
+    local
+        .descs()
+        .iter()
+        .scan(0u64, |acc, d| {
+            let start = *acc;
+            *acc += d.len;
+            Some(start)
+        })
+        .collect()
+}
+
+/// The memory of stream bytes `stream..stream+len` of `local` (`starts` from
+/// [`stream_starts`]), as a chunk.
+pub fn chunk_of(local: &LocalDescList, starts: &[u64], stream: u64, len: u64) -> Chunk {
+    let descs = local.descs();
+    let regions = local.regions();
+    let mut i = starts.partition_point(|&s| s <= stream).saturating_sub(1);
+    let (mut pos, end) = (stream, stream + len);
+    let mut pieces = Vec::new();
+    while pos < end && i < descs.len() {
+        let d = descs[i];
+        let within = pos - starts[i];
+        let take = (d.len - within).min(end - pos);
+        pieces.push(Piece {
+            region: regions[d.region as usize].clone(),
+            offset: d.offset + within,
+            len: take,
+        });
+        pos += take;
+        i += 1;
+    }
+    Chunk { pieces }
 }
 
 /// Copies `chunks` into bounce buffers of `pool` with `copier`, up to `depth` copies at once on

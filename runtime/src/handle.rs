@@ -240,6 +240,45 @@ impl EngineHandle {
         .unwrap_or_else(lost)
     }
 
+    /// Writes host bytes into a file at `descs` on this core (a staged transfer's I/O leg); see
+    /// [`FileStore::write_bytes`].
+    ///
+    /// # Errors
+    /// As [`Self::file_transfer`].
+    pub async fn file_write_bytes(
+        &self,
+        file: FileId,
+        data: bytes::Bytes,
+        descs: Vec<FileDesc>,
+        timeout: Option<Duration>,
+    ) -> Result<TransferStats, TransferError> {
+        self.on_core(move |s| async move {
+            let timeout = timeout.unwrap_or(s.cfg.transfer_timeout);
+            s.files.write_bytes(file, data, &descs, timeout).await
+        })
+        .await
+        .unwrap_or_else(lost)
+    }
+
+    /// Reads a file at `descs` into one host buffer on this core; see
+    /// [`FileStore::read_bytes`].
+    ///
+    /// # Errors
+    /// As [`Self::file_transfer`].
+    pub async fn file_read_bytes(
+        &self,
+        file: FileId,
+        descs: Vec<FileDesc>,
+        timeout: Option<Duration>,
+    ) -> Result<(TransferStats, Vec<u8>), TransferError> {
+        self.on_core(move |s| async move {
+            let timeout = timeout.unwrap_or(s.cfg.transfer_timeout);
+            s.files.read_bytes(file, &descs, timeout).await
+        })
+        .await
+        .unwrap_or_else(lost)
+    }
+
     /// Enqueues `copies` on `stream` from the calling thread (CUDA streams may be used from any
     /// thread, and the copies start without waiting for the core), then waits for their CUDA
     /// event on this engine's core (the same core that polls its RDMA completions), so a

@@ -174,6 +174,9 @@ pub enum AgentError {
     /// A FILE registration failed.
     #[error(transparent)]
     File(#[from] FileError),
+    /// Staging through bounce buffers failed (the copy leg of a VRAM transfer).
+    #[error(transparent)]
+    Staging(#[from] crate::staging::StagingError),
     /// An OBJECT registration or transfer failed.
     #[error(transparent)]
     Object(#[from] crate::object::ObjectError),

@@ -178,12 +178,26 @@ impl Registration {
 #[derive(Clone)]
 pub struct FileRegistration {
     pub(crate) inner: Arc<FileRegInner>,
+    /// A copy leg that stages every transfer ([`FileRegistration::with_copier`]).
+    pub(crate) copier: Option<Arc<dyn crate::staging::Copier>>,
 }
 
 pub(crate) struct FileRegInner {
     pub info: FileInfo,
     pub path: std::path::PathBuf,
     pub engine: crate::runtime::EngineHandle,
+    /// Bounce buffers of staged transfers (VRAM).
+    pub pools: crate::staging::StagingPools,
+}
+
+impl FileRegInner {
+    /// The bounce pool for `local`'s memory.
+    pub(crate) fn pool_for(
+        &self,
+        local: &crate::runtime::LocalDescList,
+    ) -> crate::staging::BouncePool {
+        self.pools.pool_for(local)
+    }
 }
 
 impl Drop for FileRegInner {
@@ -221,6 +235,20 @@ impl FileRegistration {
     pub fn path(&self) -> &std::path::Path {
         &self.inner.path
     }
+
+    /// This file with every transfer staged through bounce buffers by `copier`, as VRAM is: a
+    /// test stands host memory in for device memory, observes or slows the copy leg.
+    pub fn with_copier(&self, copier: Arc<dyn crate::staging::Copier>) -> FileRegistration {
+        FileRegistration {
+            inner: Arc::clone(&self.inner),
+            copier: Some(copier),
+        }
+    }
+
+    /// The host bounce pool of staged transfers.
+    pub fn bounce_pool(&self) -> &crate::staging::BouncePool {
+        self.inner.pools.host()
+    }
 }
 
 impl Agent {
@@ -240,7 +268,12 @@ impl Agent {
                 info,
                 path,
                 engine: engine.clone(),
+                pools: crate::staging::StagingPools::new(
+                    crate::transport::STAGE_CHUNK as usize,
+                    crate::transport::STAGE_DEPTH + 2,
+                ),
             }),
+            copier: None,
         })
     }
 

@@ -463,8 +463,10 @@ impl Agent {
             file,
             descs: file_descs,
             timeout,
+            default_timeout: self.inner.transfer_timeout,
         };
-        FileTransport.transfer(op, request).await
+        let io = || self.object_runtime();
+        FileTransport { io: &io }.transfer(op, request).await
     }
 
     /// Checks, resolves and plans a READ or WRITE with `peer` once, for [`Self::post_request`]

@@ -14,9 +14,9 @@ use object_store::{
 
 use super::error::ObjectError;
 use super::plan::{self, ObjectPlan};
-use super::{bounce_source, Counters, ObjectConfig, ObjectDesc, ObjectSpec};
+use super::{Counters, ObjectConfig, ObjectDesc, ObjectSpec};
 use crate::runtime::{InvalidDescriptor, LocalDescList, Op, TransferStats};
-use crate::staging::{self, BouncePool, BounceSource, Copier};
+use crate::staging::{self, BouncePool, Copier, StagingPools};
 
 /// The user-metadata key of a single-PUT object's CRC-64/NVME (hex).
 const CRC_METADATA: &str = "rixl-crc64nvme";
@@ -49,18 +49,26 @@ impl Runtime {
     }
 
     /// Runs `job` on the I/O threads; the returned future may be awaited on any executor.
-    async fn run<T: Send + 'static>(
+    /// `None` if the threads went away first.
+    pub(crate) async fn spawn<T: Send + 'static>(
         &self,
-        job: impl std::future::Future<Output = Result<T, ObjectError>> + Send + 'static,
-    ) -> Result<T, ObjectError> {
-        let Some(rt) = self.rt.as_ref() else {
-            return Err(ObjectError::ControlThreadGone);
-        };
+        job: impl std::future::Future<Output = T> + Send + 'static,
+    ) -> Option<T> {
+        let rt = self.rt.as_ref()?;
         let (tx, rx) = futures_channel::oneshot::channel();
         rt.spawn(async move {
             let _ = tx.send(job.await);
         });
-        rx.await.map_err(|_| ObjectError::ControlThreadGone)?
+        rx.await.ok()
+    }
+
+    async fn run<T: Send + 'static>(
+        &self,
+        job: impl std::future::Future<Output = Result<T, ObjectError>> + Send + 'static,
+    ) -> Result<T, ObjectError> {
+        self.spawn(job)
+            .await
+            .unwrap_or(Err(ObjectError::ControlThreadGone))
     }
 }
 
@@ -78,12 +86,10 @@ pub(crate) struct Store {
     pub prefix: object_store::path::Path,
     pub config: ObjectConfig,
     pub counters: Arc<Counters>,
-    pub host_pool: BouncePool,
+    pub pools: StagingPools,
     client: Arc<AmazonS3>,
     runtime: Arc<Runtime>,
     copier: Arc<dyn Copier>,
-    /// Pinned pools, made the first time a GPU's memory is staged.
-    pinned: Arc<Mutex<Option<BouncePool>>>,
 }
 
 impl Store {
@@ -141,13 +147,12 @@ impl Store {
         Ok(Store {
             bucket: spec.bucket.clone(),
             prefix,
-            host_pool: BouncePool::new(part, cfg.concurrency + 2, BounceSource::Host),
+            pools: StagingPools::new(part, cfg.concurrency + 2),
             config: cfg,
             counters: Arc::new(Counters::default()),
             client: Arc::new(client),
             runtime,
             copier,
-            pinned: Arc::new(Mutex::new(None)),
         })
     }
 
@@ -158,11 +163,10 @@ impl Store {
             prefix: self.prefix.clone(),
             config: self.config.clone(),
             counters: Arc::clone(&self.counters),
-            host_pool: self.host_pool.clone(),
+            pools: self.pools.clone(),
             client: Arc::clone(&self.client),
             runtime: Arc::clone(&self.runtime),
             copier,
-            pinned: Arc::clone(&self.pinned),
         }
     }
 
@@ -192,23 +196,6 @@ impl Store {
                 }
             })
             .await
-    }
-
-    fn pool_for(&self, local: &LocalDescList) -> BouncePool {
-        match bounce_source(local) {
-            BounceSource::Host => self.host_pool.clone(),
-            source => {
-                let mut p = self
-                    .pinned
-                    .lock()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
-                p.get_or_insert_with(|| {
-                    let part = self.host_pool.buffer_len();
-                    BouncePool::new(part, self.config.concurrency + 2, source)
-                })
-                .clone()
-            }
-        }
     }
 }
 
@@ -268,8 +255,8 @@ pub(crate) async fn transfer(
         config: store.config.clone(),
         counters: Arc::clone(&store.counters),
         copier: Arc::clone(&store.copier),
-        pool: store.pool_for(local),
-        starts: plan::starts(local),
+        pool: store.pools.pool_for(local),
+        starts: staging::stream_starts(local),
         local: local.clone(),
         plans,
     });
@@ -314,7 +301,7 @@ async fn write(job: Arc<Job>, deadline: tokio::time::Instant) -> Result<usize, O
 
 /// One object in one PUT (atomic: it is visible whole or not at all).
 async fn put(job: &Job, p: &ObjectPlan) -> Result<(), ObjectError> {
-    let chunk = plan::chunk(&job.local, &job.starts, p.segments[0].stream, p.bytes());
+    let chunk = staging::chunk_of(&job.local, &job.starts, p.segments[0].stream, p.bytes());
     let mut staged = staging::stage_out(&job.pool, Arc::clone(&job.copier), vec![chunk], 1);
     let bounce = staged
         .next()
@@ -360,7 +347,7 @@ async fn multipart(
         .map_err(|e| ObjectError::request(&p.key, "multipart upload", e))?;
     let chunks: Vec<_> = plan::ranges(p, job.config.part_size)
         .iter()
-        .map(|r| plan::chunk(&job.local, &job.starts, r.stream, r.len))
+        .map(|r| staging::chunk_of(&job.local, &job.starts, r.stream, r.len))
         .collect();
     let parts = chunks.len();
     let depth = job.config.concurrency.max(1);
@@ -537,7 +524,7 @@ async fn read_range(
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .push((r.offset, crc, r.len));
     }
-    let chunk = plan::chunk(&job.local, &job.starts, r.stream, r.len);
+    let chunk = staging::chunk_of(&job.local, &job.starts, r.stream, r.len);
     staging::copy_in(Arc::clone(&job.copier), chunk, bytes).await?;
     Counters::add(&job.counters.bytes_read, r.len);
     Ok(())

@@ -38,7 +38,7 @@ pub(crate) use io::Runtime;
 
 use crate::agent::{Agent, AgentError, CallOptions};
 use crate::runtime::{LocalDescList, Op, TransferStats};
-use crate::staging::{BouncePool, BounceSource, Copier, RegionCopier};
+use crate::staging::{BouncePool, Copier, RegionCopier};
 
 /// `len` bytes at `offset` of object `key` (under the registration's prefix).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -263,7 +263,7 @@ impl ObjectRegistration {
 
     /// The bounce pool staging this registration's host transfers.
     pub fn bounce_pool(&self) -> &BouncePool {
-        &self.inner.host_pool
+        self.inner.pools.host()
     }
 
     /// Uses `copier` for the copy leg instead of the regions' own copy: a test stands host
@@ -356,17 +356,4 @@ impl Agent {
         let timeout = opts.timeout.unwrap_or(objects.inner.config.timeout);
         Ok(io::transfer(&objects.inner, op, local, descs, timeout).await?)
     }
-}
-
-/// Where a pool's buffers come from for `local`: pinned memory of the first GPU region's
-/// context, plain memory otherwise.
-pub(crate) fn bounce_source(local: &LocalDescList) -> BounceSource {
-    local
-        .regions()
-        .iter()
-        .find_map(|r| {
-            r.gpu_memory()
-                .map(|g| BounceSource::Pinned(Arc::clone(g.gpu())))
-        })
-        .unwrap_or(BounceSource::Host)
 }

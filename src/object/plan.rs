@@ -1,9 +1,6 @@
 //! Pure planning of an OBJECT transfer: descriptors grouped by object, checked, and cut into
 //! requests of at most one part, each paired with the local memory it fills or empties.
 
-use crate::runtime::LocalDescList;
-use crate::staging::{Chunk, Piece};
-
 use super::error::ObjectError;
 use super::ObjectDesc;
 
@@ -168,41 +165,6 @@ pub(crate) fn ranges(plan: &ObjectPlan, part: u64) -> Vec<Range> {
         }
     }
     out
-}
-
-/// Where each local descriptor starts in the stream.
-pub(crate) fn starts(local: &LocalDescList) -> Vec<u64> {
-    local
-        .descs()
-        .iter()
-        .scan(0u64, |acc, d| {
-            let start = *acc;
-            *acc += d.len;
-            Some(start)
-        })
-        .collect()
-}
-
-/// The local memory of stream bytes `stream..stream+len`.
-pub(crate) fn chunk(local: &LocalDescList, starts: &[u64], stream: u64, len: u64) -> Chunk {
-    let descs = local.descs();
-    let regions = local.regions();
-    let mut i = starts.partition_point(|&s| s <= stream).saturating_sub(1);
-    let (mut pos, end) = (stream, stream + len);
-    let mut pieces = Vec::new();
-    while pos < end && i < descs.len() {
-        let d = descs[i];
-        let within = pos - starts[i];
-        let take = (d.len - within).min(end - pos);
-        pieces.push(Piece {
-            region: regions[d.region as usize].clone(),
-            offset: d.offset + within,
-            len: take,
-        });
-        pos += take;
-        i += 1;
-    }
-    Chunk { pieces }
 }
 
 #[cfg(test)]

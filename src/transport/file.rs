@@ -1,13 +1,36 @@
 //! The FILE tier: a registered file read or written on the agent's core (O_DIRECT, io_uring).
+//!
+//! Host memory goes straight between the regions and the engine's DMA buffers. Memory the
+//! engine must not copy itself on its core (VRAM: a `cuMemcpy` there would stall every transfer
+//! the core owns, and from unpinned memory) is staged: chunks are copied into pooled pinned
+//! host buffers on the I/O threads ([`crate::staging`]), and each buffer is written by the
+//! engine while the next chunk is copied (the reverse for reads). GPUDirect Storage (cuFile)
+//! is not used: see `docs/gpu.md`.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures_util::stream::{FuturesUnordered, StreamExt};
 
 use crate::agent::error::AgentError;
 use crate::agent::registry::FileRegistration;
-use crate::runtime::{FileDesc, LocalDescList, Op, TransferStats};
+use crate::runtime::{
+    FileDesc, FileError, InvalidDescriptor, LocalDescList, Op, TransferError, TransferStats,
+};
+use crate::staging::{self, BouncePool, Chunk, Copier, StagingError};
 
 use super::Transport;
 
+/// Bytes staged per engine I/O call (a multiple of every O_DIRECT alignment).
+pub const STAGE_CHUNK: u64 = 4 << 20;
+/// Staged chunks in flight at once (copies and writes together).
+pub const STAGE_DEPTH: usize = 4;
+
 /// FILE transfers (the file's engine does the I/O).
-pub(crate) struct FileTransport;
+pub(crate) struct FileTransport<'a> {
+    /// The agent's I/O threads, started when a transfer is staged.
+    pub io: &'a dyn Fn() -> Result<Arc<crate::object::Runtime>, AgentError>,
+}
 
 /// Memory and the file pieces it pairs with, in order.
 pub(crate) struct FileRequest<'a> {
@@ -16,15 +39,197 @@ pub(crate) struct FileRequest<'a> {
     pub descs: &'a [FileDesc],
     /// Deadline (`None`: the engine's `transfer_timeout`).
     pub timeout: Option<std::time::Duration>,
+    /// The engine's `transfer_timeout`.
+    pub default_timeout: Duration,
 }
 
-impl Transport for FileTransport {
+impl Transport for FileTransport<'_> {
     type Request<'a> = FileRequest<'a>;
 
     async fn transfer(&self, op: Op, r: Self::Request<'_>) -> Result<TransferStats, AgentError> {
         let f = &r.file.inner;
-        Ok(f.engine
-            .file_transfer(f.info.id, op, r.local.clone(), r.descs.to_vec(), r.timeout)
-            .await?)
+        let stage = r.file.copier.clone().or_else(|| {
+            r.local
+                .regions()
+                .iter()
+                .any(crate::runtime::Region::is_gpu)
+                .then(|| Arc::new(staging::RegionCopier) as Arc<dyn Copier>)
+        });
+        let Some(copier) = stage else {
+            return Ok(f
+                .engine
+                .file_transfer(f.info.id, op, r.local.clone(), r.descs.to_vec(), r.timeout)
+                .await?);
+        };
+        let io = (self.io)()?;
+        let timeout = r.timeout.unwrap_or(r.default_timeout);
+        let job = StagedFile::new(op, r.local, r.file, r.descs, copier, timeout)?;
+        tracing::debug!(
+            ?op,
+            bytes = job.total,
+            chunks = job.chunks.len(),
+            "FILE transfer staged through bounce buffers"
+        );
+        io.spawn(job.run())
+            .await
+            .unwrap_or(Err(AgentError::Staging(StagingError::ThreadGone)))
+    }
+}
+
+/// A staged FILE transfer, checked and cut into chunks, owned by the I/O threads.
+struct StagedFile {
+    op: Op,
+    file: FileRegistration,
+    copier: Arc<dyn Copier>,
+    pool: BouncePool,
+    /// Each chunk's memory and its file pieces.
+    chunks: Vec<(Chunk, Vec<FileDesc>)>,
+    total: u64,
+    descriptors: usize,
+    timeout: Duration,
+}
+
+impl StagedFile {
+    fn new(
+        op: Op,
+        local: &LocalDescList,
+        file: &FileRegistration,
+        descs: &[FileDesc],
+        copier: Arc<dyn Copier>,
+        timeout: Duration,
+    ) -> Result<Self, AgentError> {
+        let invalid = |e: InvalidDescriptor| AgentError::Transfer(TransferError::from(e));
+        let total = rixl_proto::plan::check_local(
+            |i| local.regions().get(i).map(|r| r.len()),
+            local.descs(),
+        )
+        .map_err(invalid)?;
+        let file_total = descs.iter().fold(0u64, |t, d| t.saturating_add(d.len));
+        if descs.is_empty() {
+            return Err(invalid(InvalidDescriptor::Empty { side: "file" }));
+        }
+        if file_total != total {
+            return Err(invalid(InvalidDescriptor::LengthMismatch {
+                local: total,
+                remote: file_total,
+            }));
+        }
+        let align = file.alignment().max(1);
+        for (index, d) in descs.iter().enumerate() {
+            // Chunks cut descriptors, so each must be aligned on its own (the direct path only
+            // needs merged I/Os to be). The engine range-checks them again.
+            if op == Op::Write && (!d.offset.is_multiple_of(align) || !d.len.is_multiple_of(align))
+            {
+                return Err(AgentError::Transfer(TransferError::File(
+                    FileError::Unaligned {
+                        index,
+                        offset: d.offset,
+                        len: d.len,
+                        alignment: align,
+                    },
+                )));
+            }
+        }
+        let starts = staging::stream_starts(local);
+        let mut chunks = Vec::new();
+        let mut pos = 0u64;
+        let mut cut = descs.iter().copied().peekable();
+        let mut head: Option<FileDesc> = None;
+        while pos < total {
+            let len = (total - pos).min(STAGE_CHUNK);
+            let mut pieces = Vec::new();
+            let mut left = len;
+            while left > 0 {
+                let Some(d) = head.take().or_else(|| cut.next()) else {
+                    break;
+                };
+                let take = d.len.min(left);
+                pieces.push(FileDesc::new(d.offset, take));
+                if take < d.len {
+                    head = Some(FileDesc::new(d.offset + take, d.len - take));
+                }
+                left -= take;
+            }
+            chunks.push((staging::chunk_of(local, &starts, pos, len), pieces));
+            pos += len;
+        }
+        let pool = file.inner.pool_for(local);
+        Ok(StagedFile {
+            op,
+            file: file.clone(),
+            copier,
+            pool,
+            chunks,
+            total,
+            descriptors: local.len(),
+            timeout,
+        })
+    }
+
+    async fn run(self) -> Result<TransferStats, AgentError> {
+        let t0 = Instant::now();
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let n = self.chunks.len();
+        let work = async {
+            match self.op {
+                Op::Write => self.write().await,
+                Op::Read => self.read().await,
+            }
+        };
+        match tokio::time::timeout_at(deadline, work).await {
+            Ok(r) => r?,
+            Err(_) => return Err(TransferError::Timeout(self.timeout).into()),
+        }
+        let mut stats = TransferStats::new(self.total, self.descriptors, n, 0);
+        stats.total = t0.elapsed();
+        Ok(stats)
+    }
+
+    fn left(&self, t0: Instant) -> Option<Duration> {
+        Some(self.timeout.saturating_sub(t0.elapsed()))
+    }
+
+    async fn write(&self) -> Result<(), AgentError> {
+        let t0 = Instant::now();
+        let f = &self.file.inner;
+        let (mems, files): (Vec<Chunk>, Vec<Vec<FileDesc>>) = self.chunks.iter().cloned().unzip();
+        let mut staged =
+            staging::stage_out(&self.pool, Arc::clone(&self.copier), mems, STAGE_DEPTH);
+        let mut files = files.into_iter();
+        let mut in_flight = FuturesUnordered::new();
+        while let Some(bounce) = staged.next().await {
+            let bounce = bounce?;
+            let descs = files.next().unwrap_or_default();
+            let write =
+                f.engine
+                    .file_write_bytes(f.info.id, bounce.into_bytes(), descs, self.left(t0));
+            in_flight.push(write);
+            while in_flight.len() >= STAGE_DEPTH {
+                if let Some(r) = in_flight.next().await {
+                    r?;
+                }
+            }
+        }
+        while let Some(r) = in_flight.next().await {
+            r?;
+        }
+        Ok(())
+    }
+
+    async fn read(&self) -> Result<(), AgentError> {
+        let t0 = Instant::now();
+        let f = &self.file.inner;
+        let legs = self.chunks.iter().cloned().map(|(chunk, descs)| {
+            let copier = Arc::clone(&self.copier);
+            let engine = f.engine.clone();
+            let id = f.info.id;
+            let left = self.left(t0);
+            async move {
+                let (_, bytes) = engine.file_read_bytes(id, descs, left).await?;
+                staging::copy_in(copier, chunk, bytes.into()).await?;
+                Ok::<(), AgentError>(())
+            }
+        });
+        staging::run_bounded(legs, STAGE_DEPTH).await
     }
 }

@@ -34,8 +34,11 @@ use futures_channel::oneshot;
 use glommio::io::{DmaFile, OpenOptions};
 use glommio::GlommioError;
 
-use crate::desc::{LocalDescList, Op, Region};
+mod memory;
+
+use crate::desc::{LocalDescList, Op};
 use crate::error::{InvalidDescriptor, TransferError};
+use memory::StreamMemory;
 pub use rixl_proto::error::{FileError, FileId};
 
 /// How a file is opened by a registration.
@@ -218,42 +221,6 @@ fn plan_ios(descs: &[FileDesc], max_io: u64, merged: &mut u64) -> Vec<Io> {
     ios
 }
 
-/// Local pieces `(region, offset, len)` covering stream bytes `start..start+len`.
-fn local_pieces(
-    local: &LocalDescList,
-    starts: &[u64],
-    start: u64,
-    len: u64,
-) -> Vec<(usize, u64, u64)> {
-    let descs = local.descs();
-    // The last descriptor whose stream start is <= start.
-    let mut i = starts.partition_point(|&s| s <= start).saturating_sub(1);
-    let (mut pos, end) = (start, start + len);
-    let mut out = Vec::new();
-    while pos < end && i < descs.len() {
-        let d = descs[i];
-        let within = pos - starts[i];
-        let take = (d.len - within).min(end - pos);
-        out.push((d.region as usize, d.offset + within, take));
-        pos += take;
-        i += 1;
-    }
-    out
-}
-
-fn validate_local(local: &LocalDescList) -> Result<Vec<u64>, InvalidDescriptor> {
-    rixl_proto::plan::check_local(|i| local.regions().get(i).map(Region::len), local.descs())?;
-    Ok(local
-        .descs()
-        .iter()
-        .scan(0u64, |acc, d| {
-            let start = *acc;
-            *acc += d.len;
-            Some(start)
-        })
-        .collect())
-}
-
 fn validate_file(descs: &[FileDesc], size: u64) -> Result<u64, TransferError> {
     if descs.is_empty() {
         return Err(InvalidDescriptor::Empty { side: "file" }.into());
@@ -288,8 +255,7 @@ fn validate_file(descs: &[FileDesc], size: u64) -> Result<u64, TransferError> {
 struct Job {
     file: Rc<OpenFile>,
     op: Op,
-    local: LocalDescList,
-    starts: Vec<u64>,
+    mem: Rc<dyn StreamMemory>,
     ios: Vec<Io>,
     next: Cell<usize>,
     stop: Cell<bool>,
@@ -307,19 +273,11 @@ impl Job {
 
     async fn run_one(&self, io: Io) -> Result<(), FileError> {
         let f = &self.file;
-        let pieces = local_pieces(&self.local, &self.starts, io.stream, io.len);
-        let regions = self.local.regions();
         let len = io.len as usize;
         match self.op {
             Op::Write => {
                 let mut buf = f.dma.alloc_dma_buffer(len);
-                let bytes = buf.as_bytes_mut();
-                let mut pos = 0usize;
-                for (r, off, n) in pieces {
-                    let n = n as usize;
-                    copy_out(&regions[r], off, &mut bytes[pos..pos + n]);
-                    pos += n;
-                }
+                self.mem.copy_out(io.stream, buf.as_bytes_mut());
                 let wrote = f
                     .dma
                     .write_at(buf, io.offset)
@@ -359,12 +317,7 @@ impl Job {
                         got: res.len() as u64,
                     });
                 }
-                let mut pos = 0usize;
-                for (r, off, n) in pieces {
-                    let n = n as usize;
-                    copy_in(&regions[r], off, &res[pos..pos + n]);
-                    pos += n;
-                }
+                self.mem.copy_in(io.stream, &res);
                 self.count(|c| c.bytes_read += io.len);
             }
         }
@@ -375,19 +328,6 @@ impl Job {
         let mut c = self.counters.get();
         f(&mut c);
         self.counters.set(c);
-    }
-}
-
-// Ranges were validated against the regions before the job started.
-fn copy_out(region: &Region, offset: u64, dst: &mut [u8]) {
-    if let Err(e) = region.read_at(offset, dst) {
-        tracing::error!(error = %e, "validated local range refused");
-    }
-}
-
-fn copy_in(region: &Region, offset: u64, src: &[u8]) {
-    if let Err(e) = region.write_at(offset, src) {
-        tracing::error!(error = %e, "validated local range refused");
     }
 }
 
@@ -614,6 +554,67 @@ impl FileStore {
         descs: &[FileDesc],
         timeout: Duration,
     ) -> Result<rixl_proto::TransferStats, TransferError> {
+        let mem = memory::Regions::new(local)?;
+        let n_descs = mem.descriptors();
+        self.run(id, op, Rc::new(mem), n_descs, descs, timeout)
+            .await
+    }
+
+    /// Writes `data` into the file at `descs` (paired in order, same total length): the I/O leg
+    /// of a staged transfer, whose bytes were copied out of memory the engine cannot read
+    /// itself (VRAM) into a host bounce buffer.
+    ///
+    /// # Errors
+    /// As [`Self::transfer`].
+    pub async fn write_bytes(
+        &self,
+        id: FileId,
+        data: bytes::Bytes,
+        descs: &[FileDesc],
+        timeout: Duration,
+    ) -> Result<rixl_proto::TransferStats, TransferError> {
+        let mem = Rc::new(memory::Outgoing(data));
+        self.run(id, Op::Write, mem, 1, descs, timeout).await
+    }
+
+    /// Reads the file at `descs` into one host buffer, returned with the stats.
+    ///
+    /// # Errors
+    /// As [`Self::transfer`].
+    pub async fn read_bytes(
+        &self,
+        id: FileId,
+        descs: &[FileDesc],
+        timeout: Duration,
+    ) -> Result<(rixl_proto::TransferStats, Vec<u8>), TransferError> {
+        let total = descs.iter().fold(0u64, |t, d| t.saturating_add(d.len));
+        let len = usize::try_from(total).map_err(|_| InvalidDescriptor::LengthMismatch {
+            local: usize::MAX as u64,
+            remote: total,
+        })?;
+        let mem = Rc::new(memory::Incoming::new(len));
+        let stats = self
+            .run(
+                id,
+                Op::Read,
+                Rc::clone(&mem) as Rc<dyn StreamMemory>,
+                1,
+                descs,
+                timeout,
+            )
+            .await?;
+        Ok((stats, mem.take()))
+    }
+
+    async fn run(
+        &self,
+        id: FileId,
+        op: Op,
+        mem: Rc<dyn StreamMemory>,
+        n_descs: usize,
+        descs: &[FileDesc],
+        timeout: Duration,
+    ) -> Result<rixl_proto::TransferStats, TransferError> {
         let t0 = Instant::now();
         let file = self
             .files
@@ -628,9 +629,8 @@ impl FileStore {
             bytes = tracing::field::Empty
         );
         let _e = span.enter();
-        let starts = validate_local(&local)?;
         let file_total = validate_file(descs, file.size)?;
-        let local_total = local.total_len();
+        let local_total = mem.len();
         if local_total != file_total {
             return Err(InvalidDescriptor::LengthMismatch {
                 local: local_total,
@@ -672,13 +672,11 @@ impl FileStore {
         let prepare = t0.elapsed();
         let workers = self.cfg.queue_depth.min(ios.len());
         let n_ios = ios.len();
-        let n_descs = local.len();
         let (tx, rx) = oneshot::channel();
         let job = Rc::new(Job {
             file,
             op,
-            local,
-            starts,
+            mem,
             ios,
             next: Cell::new(0),
             stop: Cell::new(false),
