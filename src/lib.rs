@@ -8,6 +8,7 @@ pub mod agent;
 pub mod fuzzing;
 pub mod object;
 pub mod staging;
+pub mod tier;
 mod transport;
 
 /// The ibverbs layer (`rixl-verbs`): devices, protection domains, memory regions, queue pairs.
