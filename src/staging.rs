@@ -58,6 +58,9 @@ pub enum StagingError {
     /// The pool was closed.
     #[error("the bounce pool is closed")]
     Closed,
+    /// An I/O task ended without finishing (it panicked, or the runtime is shutting down).
+    #[error("a staging I/O task ended early: {0}")]
+    IoTask(#[source] tokio::task::JoinError),
     /// The I/O threads went away before the transfer finished.
     #[error("the staging I/O threads went away")]
     ThreadGone,
@@ -552,6 +555,54 @@ pub async fn copy_in(
     })
     .await
     .map_err(StagingError::CopyThread)?
+}
+
+/// Sends each buffer `staged` yields with `leg` (the I/O leg), at most `depth` legs at once,
+/// and returns their results (in completion order) or the first error.
+///
+/// The copy leg runs in a task of its own, ahead of the I/O by as many buffers as the pool
+/// lends, and each leg in a task of its own: a copy never waits for an upload to be polled, and
+/// an upload never waits for a copy. Dropping the future aborts both (the buffers they own go
+/// back to the pool).
+pub(crate) async fn drain<T, E, F>(
+    staged: impl Stream<Item = Result<Bounce, StagingError>> + Send + 'static,
+    depth: usize,
+    mut leg: impl FnMut(Bounce) -> F,
+) -> Result<Vec<T>, E>
+where
+    F: Future<Output = Result<T, E>> + Send + 'static,
+    T: Send + 'static,
+    E: From<StagingError> + Send + 'static,
+{
+    let depth = depth.max(1);
+    let (tx, mut rx) = tokio::sync::mpsc::channel(depth);
+    let mut copies = tokio::task::JoinSet::new();
+    copies.spawn(async move {
+        let mut staged = std::pin::pin!(staged);
+        while let Some(b) = staged.next().await {
+            if tx.send(b).await.is_err() {
+                break;
+            }
+        }
+    });
+    let mut legs = tokio::task::JoinSet::new();
+    let mut out = Vec::new();
+    let joined = |r: Result<Result<T, E>, tokio::task::JoinError>| -> Result<T, E> {
+        r.map_err(|e| E::from(StagingError::IoTask(e)))?
+    };
+    let mut staging = true;
+    while staging || !legs.is_empty() {
+        tokio::select! {
+            b = rx.recv(), if staging && legs.len() < depth => match b {
+                Some(b) => {
+                    legs.spawn(leg(b?));
+                }
+                None => staging = false,
+            },
+            Some(r) = legs.join_next(), if !legs.is_empty() => out.push(joined(r)?),
+        }
+    }
+    Ok(out)
 }
 
 /// Runs `legs` (futures of the I/O leg) `depth` at a time and returns the first error.

@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use futures_util::stream::{FuturesUnordered, StreamExt};
+use futures_util::stream::StreamExt;
 use object_store::aws::{AmazonS3, AmazonS3Builder, Checksum};
 use object_store::{
     Attribute, AttributeValue, Attributes, ClientOptions, GetOptions, GetRange, ObjectStore,
@@ -352,22 +352,20 @@ async fn multipart(
     let parts = chunks.len();
     let depth = job.config.concurrency.max(1);
     let sent = async {
-        let mut staged = staging::stage_out(&job.pool, Arc::clone(&job.copier), chunks, depth);
-        let mut in_flight = FuturesUnordered::new();
-        while let Some(bounce) = staged.next().await {
-            let bounce = bounce?;
+        let staged = staging::stage_out(&job.pool, Arc::clone(&job.copier), chunks, depth);
+        let lens = staging::drain(staged, depth, |bounce| {
             let len = bounce.as_bytes().len() as u64;
             let part = upload.put_part(PutPayload::from_bytes(bounce.into_bytes()));
-            in_flight.push(async move { part.await.map(|()| len) });
-            while in_flight.len() >= depth {
-                if let Some(r) = in_flight.next().await {
-                    sent_part(job, p, r)?;
-                }
+            let key = p.key.clone();
+            async move {
+                part.await
+                    .map(|()| len)
+                    .map_err(|e| ObjectError::request(&key, "multipart upload", e))
             }
-        }
-        while let Some(r) = in_flight.next().await {
-            sent_part(job, p, r)?;
-        }
+        })
+        .await?;
+        Counters::add(&job.counters.parts, lens.len() as u64);
+        Counters::add(&job.counters.bytes_written, lens.iter().sum());
         Ok::<(), ObjectError>(())
     };
     let outcome = match tokio::time::timeout_at(deadline, sent).await {
@@ -393,13 +391,6 @@ async fn multipart(
             Err(e)
         }
     }
-}
-
-fn sent_part(job: &Job, p: &ObjectPlan, r: object_store::Result<u64>) -> Result<(), ObjectError> {
-    let len = r.map_err(|e| ObjectError::request(&p.key, "multipart upload", e))?;
-    Counters::add(&job.counters.parts, 1);
-    Counters::add(&job.counters.bytes_written, len);
-    Ok(())
 }
 
 /// What a HEAD found.

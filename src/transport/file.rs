@@ -10,8 +10,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use futures_util::stream::{FuturesUnordered, StreamExt};
-
 use crate::agent::error::AgentError;
 use crate::agent::registry::FileRegistration;
 use crate::runtime::{
@@ -193,26 +191,20 @@ impl StagedFile {
         let t0 = Instant::now();
         let f = &self.file.inner;
         let (mems, files): (Vec<Chunk>, Vec<Vec<FileDesc>>) = self.chunks.iter().cloned().unzip();
-        let mut staged =
-            staging::stage_out(&self.pool, Arc::clone(&self.copier), mems, STAGE_DEPTH);
+        let staged = staging::stage_out(&self.pool, Arc::clone(&self.copier), mems, STAGE_DEPTH);
         let mut files = files.into_iter();
-        let mut in_flight = FuturesUnordered::new();
-        while let Some(bounce) = staged.next().await {
-            let bounce = bounce?;
+        staging::drain(staged, STAGE_DEPTH, |bounce| {
             let descs = files.next().unwrap_or_default();
-            let write =
-                f.engine
-                    .file_write_bytes(f.info.id, bounce.into_bytes(), descs, self.left(t0));
-            in_flight.push(write);
-            while in_flight.len() >= STAGE_DEPTH {
-                if let Some(r) = in_flight.next().await {
-                    r?;
-                }
+            let engine = f.engine.clone();
+            let (id, left) = (f.info.id, self.left(t0));
+            async move {
+                engine
+                    .file_write_bytes(id, bounce.into_bytes(), descs, left)
+                    .await
+                    .map_err(AgentError::from)
             }
-        }
-        while let Some(r) = in_flight.next().await {
-            r?;
-        }
+        })
+        .await?;
         Ok(())
     }
 
