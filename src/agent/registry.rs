@@ -245,6 +245,14 @@ impl FileRegistration {
         }
     }
 
+    /// This file without an injected copy leg (host memory goes direct again).
+    pub fn unstaged(&self) -> FileRegistration {
+        FileRegistration {
+            inner: Arc::clone(&self.inner),
+            copier: None,
+        }
+    }
+
     /// The host bounce pool of staged transfers.
     pub fn bounce_pool(&self) -> &crate::staging::BouncePool {
         self.inner.pools.host()
