@@ -1,17 +1,12 @@
 //! The agent's FILE memory on a real file (no RDMA needed): scattered DRAM <-> FILE round trips
 //! with every byte verified, typed errors through the agent, and file handles that close.
 
-use futures_lite::future::block_on;
-use rixl::agent::{Agent, AgentConfig, AgentError, RemoteRef, Visibility};
-use rixl::runtime::{FileDesc, FileError, FileMode, FileSpec, LocalDescList, TransferError};
+mod common;
 
-fn agent(name: &str) -> Agent {
-    let mut cfg = AgentConfig::default()
-        .with_cluster_key(rixl::agent::ClusterKey::env_or_process_local().expect("a cluster key"));
-    cfg.engine.require_nic = false;
-    cfg.io_memory = 1 << 20;
-    Agent::new(name, cfg).expect("agent starts with or without a NIC")
-}
+use common::local_agent as agent;
+use futures_lite::future::block_on;
+use rixl::agent::{AgentError, RemoteRef, Visibility};
+use rixl::runtime::{FileDesc, FileError, FileMode, FileSpec, LocalDescList, TransferError};
 
 fn dir(name: &str) -> std::path::PathBuf {
     let d =

@@ -3,27 +3,19 @@
 //! wrong credentials, a server killed or hung mid-transfer, a server that answers with errors,
 //! and malformed descriptors. Every byte read back is compared.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+mod common;
+
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use common::{bytes, dram, local_agent as agent, StandIn};
 use futures_lite::future::block_on;
-use rixl::agent::{Agent, AgentConfig, AgentError, CallOptions, Registration, Visibility};
+use rixl::agent::{Agent, AgentError, CallOptions};
 use rixl::object::{ObjectConfig, ObjectDesc, ObjectError, ObjectRegistration, ObjectSpec};
-use rixl::runtime::{InvalidDescriptor, LocalDescList, Op, Region};
-use rixl::staging::{Copier, RegionCopier, StagingError};
+use rixl::runtime::{InvalidDescriptor, LocalDescList, Op};
 use rixl_testkit::s3::{S3Server, ACCESS_KEY, SECRET_KEY};
 
 const BUCKET: &str = "rixl-kv";
-
-fn agent(name: &str) -> Agent {
-    rixl_testkit::init_logs();
-    let mut cfg = AgentConfig::default()
-        .with_cluster_key(rixl::agent::ClusterKey::env_or_process_local().expect("a cluster key"));
-    cfg.engine.require_nic = false;
-    cfg.io_memory = 1 << 20;
-    Agent::new(name, cfg).expect("agent starts with or without a NIC")
-}
 
 fn spec(s3: &S3Server, prefix: &str) -> ObjectSpec {
     ObjectSpec::new(s3.endpoint(), BUCKET, prefix).credentials(ACCESS_KEY, SECRET_KEY)
@@ -33,22 +25,6 @@ async fn register(a: &Agent, s3: &S3Server, prefix: &str) -> ObjectRegistration 
     a.register_object(spec(s3, prefix))
         .await
         .expect("register the bucket")
-}
-
-async fn dram(a: &Agent, len: usize, seed: Option<u64>) -> Registration {
-    let r = a.register(len, Visibility::All).await.unwrap();
-    if let Some(seed) = seed {
-        r.region()
-            .write_at(0, &rixl_testkit::patterned(len, seed))
-            .unwrap();
-    }
-    r
-}
-
-fn bytes(r: &Region, offset: u64, len: usize) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    r.read_at(offset, &mut v).unwrap();
-    v
 }
 
 fn object_err(e: AgentError) -> ObjectError {
@@ -321,31 +297,6 @@ fn object_malformed_descriptors_are_refused_before_anything_is_written() {
     });
 }
 
-/// A copy leg that takes `delay` per chunk: the server can be killed while parts are in flight.
-struct SlowCopier {
-    delay: Duration,
-    copies: AtomicUsize,
-}
-
-impl Copier for SlowCopier {
-    fn device_to_host(
-        &self,
-        region: &Region,
-        offset: u64,
-        dst: &mut [u8],
-    ) -> Result<(), StagingError> {
-        std::thread::sleep(self.delay);
-        self.copies.fetch_add(1, Ordering::SeqCst);
-        RegionCopier.device_to_host(region, offset, dst)
-    }
-
-    fn host_to_device(&self, src: &[u8], region: &Region, offset: u64) -> Result<(), StagingError> {
-        std::thread::sleep(self.delay);
-        self.copies.fetch_add(1, Ordering::SeqCst);
-        RegionCopier.host_to_device(src, region, offset)
-    }
-}
-
 #[test]
 fn object_server_killed_mid_transfer_leaves_no_object() {
     let Some(mut s3) = S3Server::start("object_killed", BUCKET) else {
@@ -356,10 +307,7 @@ fn object_server_killed_mid_transfer_leaves_no_object() {
     cfg.max_retries = 1;
     cfg.timeout = Duration::from_secs(30);
     let objs = block_on(a.register_object(spec(&s3, "p").config(cfg))).unwrap();
-    let slow = Arc::new(SlowCopier {
-        delay: Duration::from_millis(150),
-        copies: AtomicUsize::new(0),
-    });
+    let slow = StandIn::new(Duration::from_millis(150));
     let objs_slow = objs.with_copier(slow.clone());
     let len = 64usize << 20;
     let src = block_on(dram(&a, len, Some(5)));

@@ -2,94 +2,20 @@
 //! host memory standing in for the device: the same code a GPU node runs, with the copy leg
 //! injected. The file tier runs on a real file, the object tier against a real s3s-fs.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+mod common;
+
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::{bytes, dram, local_agent as agent, StandIn};
 use futures_lite::future::block_on;
 use futures_util::StreamExt;
-use rixl::agent::{Agent, AgentConfig, AgentError, Registration, Visibility};
+use rixl::agent::AgentError;
 use rixl::object::{ObjectDesc, ObjectError, ObjectSpec};
-use rixl::runtime::{
-    FileDesc, FileError, FileMode, FileSpec, LocalDescList, Region, TransferError,
-};
-use rixl::staging::{
-    chunk_of, stage_out, stream_starts, BouncePool, BounceSource, Copier, RegionCopier,
-    StagingError,
-};
+use rixl::runtime::{FileDesc, FileError, FileMode, FileSpec, LocalDescList, TransferError};
+use rixl::staging::{chunk_of, stage_out, stream_starts, BouncePool, BounceSource, StagingError};
 use rixl_testkit::s3::{S3Server, ACCESS_KEY, SECRET_KEY};
-
-fn agent(name: &str) -> Agent {
-    rixl_testkit::init_logs();
-    let mut cfg = AgentConfig::default()
-        .with_cluster_key(rixl::agent::ClusterKey::env_or_process_local().expect("a cluster key"));
-    cfg.engine.require_nic = false;
-    cfg.io_memory = 1 << 20;
-    Agent::new(name, cfg).expect("agent starts with or without a NIC")
-}
-
-async fn dram(a: &Agent, len: usize, seed: Option<u64>) -> Registration {
-    let r = a.register(len, Visibility::All).await.unwrap();
-    if let Some(seed) = seed {
-        r.region()
-            .write_at(0, &rixl_testkit::patterned(len, seed))
-            .unwrap();
-    }
-    r
-}
-
-fn bytes(r: &Region, offset: u64, len: usize) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    r.read_at(offset, &mut v).unwrap();
-    v
-}
-
-/// A stand-in for the device's copy engine: host memory, a delay per copy, a count, and the
-/// time intervals the copies ran in (to see them overlap the I/O).
-struct StandIn {
-    delay: Duration,
-    copies: AtomicUsize,
-    fail: AtomicBool,
-    spans: Mutex<Vec<(Instant, Instant)>>,
-}
-
-impl StandIn {
-    fn new(delay: Duration) -> Arc<Self> {
-        Arc::new(StandIn {
-            delay,
-            copies: AtomicUsize::new(0),
-            fail: AtomicBool::new(false),
-            spans: Mutex::new(Vec::new()),
-        })
-    }
-
-    fn copy(&self, f: impl FnOnce() -> Result<(), StagingError>) -> Result<(), StagingError> {
-        if self.fail.load(Ordering::SeqCst) {
-            return Err(StagingError::Closed);
-        }
-        let t0 = Instant::now();
-        std::thread::sleep(self.delay);
-        let r = f();
-        self.spans.lock().unwrap().push((t0, Instant::now()));
-        self.copies.fetch_add(1, Ordering::SeqCst);
-        r
-    }
-}
-
-impl Copier for StandIn {
-    fn device_to_host(
-        &self,
-        region: &Region,
-        offset: u64,
-        dst: &mut [u8],
-    ) -> Result<(), StagingError> {
-        self.copy(|| RegionCopier.device_to_host(region, offset, dst))
-    }
-
-    fn host_to_device(&self, src: &[u8], region: &Region, offset: u64) -> Result<(), StagingError> {
-        self.copy(|| RegionCopier.host_to_device(src, region, offset))
-    }
-}
 
 fn overlaps(a: &[(Instant, Instant)], b: &[(Instant, Instant)]) -> bool {
     a.iter()

@@ -3,10 +3,13 @@
 //! tiers fill, come back on a hit, arrive intact, are written once per tier, and the
 //! reload-or-recompute choice follows measured costs.
 
+mod common;
+
 use std::time::Duration;
 
+use common::local_agent as agent;
 use futures_lite::future::block_on;
-use rixl::agent::{Agent, AgentConfig, Visibility};
+use rixl::agent::{Agent, Visibility};
 use rixl::object::{ObjectRegistration, ObjectSpec};
 use rixl::runtime::{FileMode, FileSpec};
 use rixl::tier::{block_key, Fifo, Lru, Policy, Tier, TierConfig, TierError, TieredCache};
@@ -14,15 +17,6 @@ use rixl_testkit::s3::{S3Server, ACCESS_KEY, SECRET_KEY};
 
 const BLOCK: u64 = 16 << 10;
 const BUCKET: &str = "rixl-tiers";
-
-fn agent(name: &str) -> Agent {
-    rixl_testkit::init_logs();
-    let mut cfg = AgentConfig::default()
-        .with_cluster_key(rixl::agent::ClusterKey::env_or_process_local().expect("a cluster key"));
-    cfg.engine.require_nic = false;
-    cfg.io_memory = 1 << 20;
-    Agent::new(name, cfg).expect("agent starts with or without a NIC")
-}
 
 fn content(block: u64) -> Vec<u8> {
     rixl_testkit::patterned(BLOCK as usize, block)

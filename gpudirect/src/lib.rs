@@ -4,8 +4,10 @@
 //!
 //! - [`probe`]: the driver and its GPUs (name, memory, PCI address) for the topology model;
 //! - [`Gpu`], [`DeviceMemory`], [`PinnedHostMemory`]: contexts and memory;
-//! - [`GpuRegistration`]: GPUDirect RDMA registration, dma-buf first, nvidia-peermem second.
+//! - [`GpuRegistration`]: GPUDirect RDMA registration, dma-buf first, nvidia-peermem second;
+//! - [`gds`]: GPUDirect Storage (cuFile), loaded at run time when present.
 
+pub mod gds;
 mod memory;
 mod register;
 

@@ -177,6 +177,9 @@ pub enum AgentError {
     /// Staging through bounce buffers failed (the copy leg of a VRAM transfer).
     #[error(transparent)]
     Staging(#[from] crate::staging::StagingError),
+    /// A GPUDirect Storage (cuFile) read or write failed.
+    #[error(transparent)]
+    Gds(#[from] crate::gpudirect::gds::GdsError),
     /// An OBJECT registration or transfer failed.
     #[error(transparent)]
     Object(#[from] crate::object::ObjectError),

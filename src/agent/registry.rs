@@ -188,9 +188,27 @@ pub(crate) struct FileRegInner {
     pub engine: crate::runtime::EngineHandle,
     /// Bounce buffers of staged transfers (VRAM).
     pub pools: crate::staging::StagingPools,
+    /// The file registered with GPUDirect Storage, on first use where it is present.
+    pub gds: std::sync::OnceLock<Option<Arc<crate::gpudirect::gds::GdsFile>>>,
 }
 
 impl FileRegInner {
+    /// The file through GPUDirect Storage, if present and the file registers with it.
+    pub(crate) fn gds_file(&self) -> Option<Arc<crate::gpudirect::gds::GdsFile>> {
+        self.gds
+            .get_or_init(|| {
+                let gds = crate::transport::gds()?;
+                match crate::gpudirect::gds::GdsFile::open(&gds, &self.path) {
+                    Ok(f) => Some(Arc::new(f)),
+                    Err(e) => {
+                        tracing::warn!(path = %self.path.display(), error = %e, "GPUDirect Storage refused the file: staging it");
+                        None
+                    }
+                }
+            })
+            .clone()
+    }
+
     /// The bounce pool for `local`'s memory.
     pub(crate) fn pool_for(
         &self,
@@ -280,6 +298,7 @@ impl Agent {
                     crate::transport::STAGE_CHUNK as usize,
                     crate::transport::STAGE_DEPTH + 2,
                 ),
+                gds: std::sync::OnceLock::new(),
             }),
             copier: None,
         })

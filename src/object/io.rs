@@ -555,37 +555,47 @@ async fn get(
     Ok(bytes)
 }
 
-/// The size of `key`, `None` if absent.
-pub(crate) async fn size(store: &Store, key: &str) -> Result<Option<u64>, ObjectError> {
-    let location = key_location(store, key)?;
-    let client = Arc::clone(&store.client);
+/// Runs one request `op` on `key` on the I/O threads; a missing object is `Ok(None)`.
+async fn on_key<T, F>(
+    store: &Store,
+    key: &str,
+    op: &'static str,
+    request: impl FnOnce(Arc<AmazonS3>, object_store::path::Path) -> F,
+) -> Result<Option<T>, ObjectError>
+where
+    F: std::future::Future<Output = object_store::Result<T>> + Send + 'static,
+    T: Send + 'static,
+{
+    let fut = request(Arc::clone(&store.client), key_location(store, key)?);
     let key = key.to_string();
     store
         .runtime
         .run(async move {
-            match client.head(&location).await {
-                Ok(m) => Ok(Some(m.size)),
+            match fut.await {
+                Ok(v) => Ok(Some(v)),
                 Err(object_store::Error::NotFound { .. }) => Ok(None),
-                Err(e) => Err(ObjectError::request(&key, "head", e)),
+                Err(e) => Err(ObjectError::request(&key, op, e)),
             }
         })
         .await
 }
 
-/// Deletes `key`.
+/// The size of `key`, `None` if absent.
+pub(crate) async fn size(store: &Store, key: &str) -> Result<Option<u64>, ObjectError> {
+    let meta = on_key(store, key, "head", |c, at| async move { c.head(&at).await }).await?;
+    Ok(meta.map(|m| m.size))
+}
+
+/// Deletes `key` (no error if there is none).
 pub(crate) async fn delete(store: &Store, key: &str) -> Result<(), ObjectError> {
-    let location = key_location(store, key)?;
-    let client = Arc::clone(&store.client);
-    let key = key.to_string();
-    store
-        .runtime
-        .run(async move {
-            match client.delete(&location).await {
-                Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
-                Err(e) => Err(ObjectError::request(&key, "delete", e)),
-            }
-        })
-        .await
+    on_key(
+        store,
+        key,
+        "delete",
+        |c, at| async move { c.delete(&at).await },
+    )
+    .await?;
+    Ok(())
 }
 
 fn key_location(store: &Store, key: &str) -> Result<object_store::path::Path, ObjectError> {

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use crate::agent::error::AgentError;
 use crate::agent::registry::FileRegistration;
+use crate::gpudirect::gds::{Gds, GdsFile};
 use crate::runtime::{
     FileDesc, FileError, InvalidDescriptor, LocalDescList, Op, TransferError, TransferStats,
 };
@@ -61,12 +62,17 @@ impl Transport for FileTransport<'_> {
         };
         let io = (self.io)()?;
         let timeout = r.timeout.unwrap_or(r.default_timeout);
-        let job = StagedFile::new(op, r.local, r.file, r.descs, copier, timeout)?;
+        let mut job = StagedFile::new(op, r.local, r.file, r.descs, copier, timeout)?;
+        let all_gpu = r.local.regions().iter().all(crate::runtime::Region::is_gpu);
+        if r.file.copier.is_none() && all_gpu {
+            job.gds = f.gds_file();
+        }
         tracing::debug!(
             ?op,
             bytes = job.total,
             chunks = job.chunks.len(),
-            "FILE transfer staged through bounce buffers"
+            gds = job.gds.is_some(),
+            "FILE transfer of memory the engine does not copy (GPUDirect Storage or staged)"
         );
         io.spawn(job.run())
             .await
@@ -85,6 +91,60 @@ struct StagedFile {
     total: u64,
     descriptors: usize,
     timeout: Duration,
+    /// GPUDirect Storage instead of staging, where it is present.
+    gds: Option<Arc<GdsFile>>,
+}
+
+/// GPUDirect Storage for this process: loaded once, `None` where `libcufile` is absent, its
+/// driver does not open, or `RIXL_GDS=0`.
+pub(crate) fn gds() -> Option<Arc<Gds>> {
+    static GDS: std::sync::OnceLock<Option<Arc<Gds>>> = std::sync::OnceLock::new();
+    GDS.get_or_init(|| {
+        if std::env::var("RIXL_GDS").as_deref() == Ok("0") {
+            tracing::info!("GPUDirect Storage off (RIXL_GDS=0): VRAM is staged");
+            return None;
+        }
+        match Gds::open() {
+            Ok(g) => {
+                tracing::info!("GPUDirect Storage (cuFile) present: VRAM FILE transfers use it");
+                Some(g)
+            }
+            Err(e) => {
+                tracing::info!(error = %e, "no GPUDirect Storage: VRAM FILE transfers are staged");
+                None
+            }
+        }
+    })
+    .clone()
+}
+
+/// Pairs a chunk's memory pieces with its file pieces: `(piece, file offset)` runs of equal
+/// length, in order.
+fn runs(chunk: &Chunk, files: &[FileDesc]) -> Vec<(staging::Piece, u64)> {
+    let mut out = Vec::new();
+    let mut files = files.iter().copied();
+    let mut file = files.next();
+    for p in &chunk.pieces {
+        let (mut off, mut left) = (p.offset, p.len);
+        while left > 0 {
+            let Some(f) = file.as_mut() else { return out };
+            let take = left.min(f.len);
+            out.push((
+                staging::Piece {
+                    region: p.region.clone(),
+                    offset: off,
+                    len: take,
+                },
+                f.offset,
+            ));
+            (off, left) = (off + take, left - take);
+            (f.offset, f.len) = (f.offset + take, f.len - take);
+            if f.len == 0 {
+                file = files.next();
+            }
+        }
+    }
+    out
 }
 
 impl StagedFile {
@@ -161,7 +221,37 @@ impl StagedFile {
             total,
             descriptors: local.len(),
             timeout,
+            gds: None,
         })
+    }
+
+    /// Moves every chunk with cuFile, `STAGE_DEPTH` chunks at once, each on a blocking thread.
+    async fn direct(&self, gds: &Arc<GdsFile>) -> Result<(), AgentError> {
+        let write = self.op == Op::Write;
+        let all: Vec<_> = self.chunks.iter().map(|(c, d)| runs(c, d)).collect();
+        let legs = all.into_iter().map(|runs| {
+            let gds = Arc::clone(gds);
+            async move {
+                tokio::task::spawn_blocking(move || {
+                    for (p, at) in runs {
+                        let Some(mem) = p.region.gpu_memory() else {
+                            continue;
+                        };
+                        let (off, len) = (p.offset as usize, p.len as usize);
+                        if write {
+                            gds.write(mem, off, len, at)?;
+                        } else {
+                            gds.read(mem, off, len, at)?;
+                        }
+                    }
+                    Ok::<(), crate::gpudirect::gds::GdsError>(())
+                })
+                .await
+                .map_err(|e| AgentError::Staging(StagingError::IoTask(e)))?
+                .map_err(AgentError::Gds)
+            }
+        });
+        staging::run_bounded(legs, STAGE_DEPTH).await
     }
 
     async fn run(self) -> Result<TransferStats, AgentError> {
@@ -169,9 +259,10 @@ impl StagedFile {
         let deadline = tokio::time::Instant::now() + self.timeout;
         let n = self.chunks.len();
         let work = async {
-            match self.op {
-                Op::Write => self.write().await,
-                Op::Read => self.read().await,
+            match (&self.gds, self.op) {
+                (Some(gds), _) => self.direct(gds).await,
+                (None, Op::Write) => self.write().await,
+                (None, Op::Read) => self.read().await,
             }
         };
         match tokio::time::timeout_at(deadline, work).await {

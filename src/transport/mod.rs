@@ -7,7 +7,7 @@ mod file;
 mod ipc;
 mod rdma;
 
-pub(crate) use file::{FileRequest, FileTransport, STAGE_CHUNK, STAGE_DEPTH};
+pub(crate) use file::{gds, FileRequest, FileTransport, STAGE_CHUNK, STAGE_DEPTH};
 pub(crate) use ipc::{IpcRequest, IpcTransport};
 pub(crate) use rdma::{RdmaRequest, RdmaTransport};
 
