@@ -435,3 +435,47 @@ fn object_hung_server_hits_the_deadline_and_errors_are_typed() {
         assert_eq!(objs.size("fine").await.unwrap(), Some(1 << 20));
     });
 }
+
+#[test]
+fn object_credentials_come_from_the_shared_profile_file() {
+    let Some(s3) = S3Server::start("object_profile", BUCKET) else {
+        return;
+    };
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("object-profile");
+    std::fs::create_dir_all(&dir).unwrap();
+    let creds = dir.join("credentials");
+    std::fs::write(
+        &creds,
+        format!("[default]\naws_access_key_id = nobody\naws_secret_access_key = wrong\n\n[rixl]\naws_access_key_id = {ACCESS_KEY}\naws_secret_access_key = {SECRET_KEY}\n"),
+    )
+    .unwrap();
+    // Only this test sets these (the others pass credentials in their specs).
+    std::env::set_var("AWS_SHARED_CREDENTIALS_FILE", &creds);
+    std::env::set_var("AWS_CONFIG_FILE", dir.join("no-config"));
+    let a = agent("obj-profile");
+    block_on(async {
+        std::env::set_var("AWS_PROFILE", "rixl");
+        let objs = a
+            .register_object(ObjectSpec::new(s3.endpoint(), BUCKET, "p"))
+            .await
+            .expect("the rixl profile's keys are accepted");
+        let src = dram(&a, 4096, Some(1)).await;
+        let mut local = LocalDescList::new();
+        local.push(src.region(), 0, 4096);
+        a.write_object(&local, &objs, &[ObjectDesc::new("k", 0, 4096)])
+            .await
+            .unwrap();
+        std::env::set_var("AWS_PROFILE", "default");
+        let e = a
+            .register_object(ObjectSpec::new(s3.endpoint(), BUCKET, "p"))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(object_err(e), ObjectError::Unauthorized { .. }),
+            "default profile's wrong keys"
+        );
+    });
+    std::env::remove_var("AWS_PROFILE");
+    std::env::remove_var("AWS_SHARED_CREDENTIALS_FILE");
+    std::env::remove_var("AWS_CONFIG_FILE");
+}

@@ -12,6 +12,15 @@ pub enum ObjectError {
     /// The store could not be configured (bad endpoint, missing region, ...).
     #[error("object store configuration: {0}")]
     Config(#[source] object_store::Error),
+    /// An AWS shared credentials or config file could not be parsed.
+    #[error("AWS profile file {path}: {source}")]
+    Profile {
+        /// The file.
+        path: String,
+        /// The parser's error.
+        #[source]
+        source: ini::ParseError,
+    },
     /// The bucket does not exist.
     #[error("bucket {bucket:?} does not exist")]
     NoSuchBucket {

@@ -118,13 +118,22 @@ impl Store {
                 .with_allow_http(e.starts_with("http://"))
                 .with_virtual_hosted_style_request(false);
         }
+        // The shared files (~/.aws) stand in for what neither the spec nor the environment gives.
+        let env_keys = std::env::var_os("AWS_ACCESS_KEY_ID").is_some();
+        let shared = if spec.credentials.is_none() && !env_keys || spec.region.is_none() {
+            super::profile::load()?
+        } else {
+            super::profile::Profile::default()
+        };
         let region = spec.region.clone().or_else(|| {
             ["AWS_REGION", "AWS_DEFAULT_REGION"]
                 .iter()
                 .find_map(|v| std::env::var(v).ok())
+                .or(shared.region.clone())
         });
         b = b.with_region(region.unwrap_or_else(|| "us-east-1".into()));
-        if let Some(c) = &spec.credentials {
+        let from_files = shared.credentials.filter(|_| !env_keys);
+        if let Some(c) = spec.credentials.as_ref().or(from_files.as_ref()) {
             b = b
                 .with_access_key_id(&c.access_key_id)
                 .with_secret_access_key(&c.secret_access_key);

@@ -28,6 +28,7 @@
 mod error;
 mod io;
 mod plan;
+mod profile;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -63,7 +64,8 @@ impl ObjectDesc {
 }
 
 /// Explicit credentials (otherwise `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
-/// `AWS_SESSION_TOKEN`, or the instance's role).
+/// `AWS_SESSION_TOKEN`; then the profile `AWS_PROFILE` (or `default`) of `~/.aws/credentials`;
+/// then the instance's role).
 #[derive(Clone, PartialEq, Eq)]
 pub struct ObjectCredentials {
     /// Access key id.
@@ -125,7 +127,8 @@ pub struct ObjectSpec {
     pub bucket: String,
     /// Prefix of every key (empty: the bucket's root).
     pub prefix: String,
-    /// Region (`None`: `AWS_REGION`/`AWS_DEFAULT_REGION`, else `us-east-1`).
+    /// Region (`None`: `AWS_REGION`/`AWS_DEFAULT_REGION`, then the profile's in `~/.aws/config`,
+    /// else `us-east-1`).
     pub region: Option<String>,
     /// Credentials (`None`: from the environment).
     pub credentials: Option<ObjectCredentials>,
