@@ -479,3 +479,65 @@ fn object_credentials_come_from_the_shared_profile_file() {
     std::env::remove_var("AWS_SHARED_CREDENTIALS_FILE");
     std::env::remove_var("AWS_CONFIG_FILE");
 }
+
+#[test]
+fn object_a_key_given_in_separated_runs_is_written_in_object_order() {
+    let Some(s3) = S3Server::start("object_runs", BUCKET) else {
+        return;
+    };
+    let a = agent("obj-runs");
+    block_on(async {
+        let objs = register(&a, &s3, "runs").await;
+        let mib = 1u64 << 20;
+        let src = dram(&a, (24 * mib) as usize, Some(31)).await;
+        // Object "a" (12 MiB: a multipart upload) in two runs with "b" (4 KiB) between them,
+        // and "c" (8 KiB, one PUT) in two runs around "b".
+        let mut local = LocalDescList::new();
+        local.push(src.region(), 0, 6 * mib); // a 0..6M
+        local.push(src.region(), 20 * mib, 4096); // c 0..4K
+        local.push(src.region(), 12 * mib, 4096); // b
+        local.push(src.region(), 21 * mib, 4096); // c 4K..8K
+        local.push(src.region(), 6 * mib, 6 * mib); // a 6M..12M
+        let descs = [
+            ObjectDesc::new("a", 0, 6 * mib),
+            ObjectDesc::new("c", 0, 4096),
+            ObjectDesc::new("b", 0, 4096),
+            ObjectDesc::new("c", 4096, 4096),
+            ObjectDesc::new("a", 6 * mib, 6 * mib),
+        ];
+        a.write_object(&local, &objs, &descs).await.unwrap();
+        let c = objs.counters();
+        assert_eq!(
+            (c.multipart_uploads, c.parts),
+            (1, 2),
+            "8 MiB + 4 MiB parts: {c:?}"
+        );
+        let dst = dram(&a, (24 * mib) as usize, None).await;
+        let mut back = LocalDescList::new();
+        back.push(dst.region(), 0, 12 * mib);
+        back.push(dst.region(), 12 * mib, 4096);
+        back.push(dst.region(), 13 * mib, 8192);
+        a.read_object(
+            &back,
+            &objs,
+            &[
+                ObjectDesc::new("a", 0, 12 * mib),
+                ObjectDesc::new("b", 0, 4096),
+                ObjectDesc::new("c", 0, 8192),
+            ],
+        )
+        .await
+        .unwrap();
+        assert!(
+            bytes(dst.region(), 0, (12 * mib) as usize)
+                == bytes(src.region(), 0, (12 * mib) as usize)
+        );
+        assert_eq!(
+            bytes(dst.region(), 12 * mib, 4096),
+            bytes(src.region(), 12 * mib, 4096)
+        );
+        let mut want_c = bytes(src.region(), 20 * mib, 4096);
+        want_c.extend(bytes(src.region(), 21 * mib, 4096));
+        assert_eq!(bytes(dst.region(), 13 * mib, 8192), want_c);
+    });
+}

@@ -169,6 +169,17 @@ fn staging_file_round_trip_with_device_stand_in() {
             e,
             AgentError::Transfer(TransferError::File(FileError::Unaligned { index: 0, .. }))
         ));
+        // Past the registered size: refused before anything moves (cuFile would not check).
+        let mut page = LocalDescList::new();
+        page.push(src.region(), 0, 4096);
+        let e = a
+            .write_file(&page, &staged, &[FileDesc::new(2 * len as u64, 4096)])
+            .await
+            .unwrap_err();
+        assert!(matches!(
+            e,
+            AgentError::Transfer(TransferError::File(FileError::OutOfRange { index: 0, .. }))
+        ));
         dev.fail.store(true, Ordering::SeqCst);
         let e = a.write_file(&local, &staged, &descs).await.unwrap_err();
         assert!(

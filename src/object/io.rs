@@ -18,6 +18,9 @@ use super::{Counters, ObjectConfig, ObjectDesc, ObjectSpec};
 use crate::runtime::{InvalidDescriptor, LocalDescList, Op, TransferStats};
 use crate::staging::{self, BouncePool, Copier, StagingPools};
 
+/// How long an abandoned multipart upload's abort may take past the deadline.
+const ABORT_GRACE: Duration = Duration::from_secs(2);
+
 /// The user-metadata key of a single-PUT object's CRC-64/NVME (hex).
 const CRC_METADATA: &str = "rixl-crc64nvme";
 
@@ -120,8 +123,16 @@ impl Store {
         }
         // The shared files (~/.aws) stand in for what neither the spec nor the environment gives.
         let env_keys = std::env::var_os("AWS_ACCESS_KEY_ID").is_some();
-        let shared = if spec.credentials.is_none() && !env_keys || spec.region.is_none() {
-            super::profile::load()?
+        let needed = spec.credentials.is_none() && !env_keys;
+        let shared = if needed || spec.region.is_none() {
+            match super::profile::load() {
+                Ok(p) => p,
+                Err(e) if needed => return Err(e),
+                Err(e) => {
+                    tracing::warn!(error = %e, "AWS profile files ignored (credentials given)");
+                    super::profile::Profile::default()
+                }
+            }
         } else {
             super::profile::Profile::default()
         };
@@ -218,6 +229,8 @@ struct Job {
     local: LocalDescList,
     starts: Vec<u64>,
     plans: Vec<ObjectPlan>,
+    /// The call's deadline, as a duration.
+    timeout: Duration,
 }
 
 /// Checks and runs one transfer.
@@ -268,6 +281,7 @@ pub(crate) async fn transfer(
         starts: staging::stream_starts(local),
         local: local.clone(),
         plans,
+        timeout,
     });
     let n_descs = local.len();
     let requests = store
@@ -280,7 +294,13 @@ pub(crate) async fn transfer(
                     Op::Read => read(job).await,
                 }
             };
-            match tokio::time::timeout_at(deadline, work).await {
+            // A write's own deadline aborts its multipart upload; the outer one leaves that
+            // abort time to finish.
+            let outer = match op {
+                Op::Write => deadline + ABORT_GRACE,
+                Op::Read => deadline,
+            };
+            match tokio::time::timeout_at(outer, work).await {
                 Ok(r) => r,
                 Err(_) => Err(ObjectError::Timeout(timeout)),
             }
@@ -308,9 +328,29 @@ async fn write(job: Arc<Job>, deadline: tokio::time::Instant) -> Result<usize, O
     Ok(requests)
 }
 
+/// The local memory of bytes `offset..offset+len` of a written object (its runs, given whole by
+/// `plan::whole`, are in object order).
+fn object_chunk(job: &Job, p: &ObjectPlan, offset: u64, len: u64) -> staging::Chunk {
+    let mut pieces = Vec::new();
+    let end = offset + len;
+    for s in &p.segments {
+        let (from, to) = (s.offset.max(offset), (s.offset + s.len).min(end));
+        if from < to {
+            let c = staging::chunk_of(
+                &job.local,
+                &job.starts,
+                s.stream + (from - s.offset),
+                to - from,
+            );
+            pieces.extend(c.pieces);
+        }
+    }
+    staging::Chunk { pieces }
+}
+
 /// One object in one PUT (atomic: it is visible whole or not at all).
 async fn put(job: &Job, p: &ObjectPlan) -> Result<(), ObjectError> {
-    let chunk = staging::chunk_of(&job.local, &job.starts, p.segments[0].stream, p.bytes());
+    let chunk = object_chunk(job, p, 0, p.bytes());
     let mut staged = staging::stage_out(&job.pool, Arc::clone(&job.copier), vec![chunk], 1);
     let bounce = staged
         .next()
@@ -354,9 +394,11 @@ async fn multipart(
         .put_multipart_opts(&p.location, PutMultipartOptions::default())
         .await
         .map_err(|e| ObjectError::request(&p.key, "multipart upload", e))?;
-    let chunks: Vec<_> = plan::ranges(p, job.config.part_size)
-        .iter()
-        .map(|r| staging::chunk_of(&job.local, &job.starts, r.stream, r.len))
+    // Parts are cut over the object's bytes (its runs may lie apart in the local list), so
+    // every part but the last is a whole part_size.
+    let (size, part) = (p.bytes(), job.config.part_size.max(1));
+    let chunks: Vec<_> = (0..size.div_ceil(part))
+        .map(|i| object_chunk(job, p, i * part, part.min(size - i * part)))
         .collect();
     let parts = chunks.len();
     let depth = job.config.concurrency.max(1);
@@ -373,13 +415,17 @@ async fn multipart(
             }
         })
         .await?;
+        if lens.len() != parts {
+            // The copy stream ended early (its task died): never complete a short object.
+            return Err(ObjectError::Staging(staging::StagingError::ThreadGone));
+        }
         Counters::add(&job.counters.parts, lens.len() as u64);
         Counters::add(&job.counters.bytes_written, lens.iter().sum());
         Ok::<(), ObjectError>(())
     };
     let outcome = match tokio::time::timeout_at(deadline, sent).await {
         Ok(r) => r,
-        Err(_) => Err(ObjectError::Timeout(job.config.timeout)),
+        Err(_) => Err(ObjectError::Timeout(job.timeout)),
     };
     match outcome {
         Ok(()) => {
@@ -392,7 +438,7 @@ async fn multipart(
         }
         Err(e) => {
             // Best effort, bounded: the upload never completes either way, so no object appears.
-            let aborted = tokio::time::timeout(Duration::from_secs(2), upload.abort()).await;
+            let aborted = tokio::time::timeout(ABORT_GRACE, upload.abort()).await;
             if matches!(aborted, Ok(Ok(()))) {
                 Counters::add(&job.counters.aborted, 1);
             }

@@ -71,7 +71,8 @@ pub(crate) fn group(
         let segs = &mut plans[at].segments;
         match segs.last_mut() {
             Some(last)
-                if last.offset + last.len == d.offset && last.stream + last.len == stream =>
+                if last.offset.checked_add(last.len) == Some(d.offset)
+                    && last.stream + last.len == stream =>
             {
                 last.len += d.len;
             }

@@ -426,7 +426,16 @@ impl TieredCache {
                 }
                 continue;
             }
-            self.reload(t, &group).await?;
+            if let Err(e) = self.reload(t, &group).await {
+                // Nothing placed by this call holds its bytes now: give the slots back, so no
+                // later request takes them for hits.
+                for p in &out {
+                    if p.from != Some(Tier::Hot) {
+                        self.hot.remove(p.block);
+                    }
+                }
+                return Err(e);
+            }
             for p in out.iter_mut() {
                 if group.iter().any(|&(b, _)| b == p.block) {
                     p.from = Some(t);
@@ -517,9 +526,15 @@ impl TieredCache {
         for v in victims {
             let hs = self.hot.remove(v).unwrap_or_default();
             let Some(slot) = self.host.put(v) else {
-                continue; // no host tier room: the block is dropped (still in the file, if stored)
+                // No host room (the file could not take the host's victims): the block is
+                // dropped (still in the file or the store, if it was written there).
+                tracing::warn!(block = v, "tiered cache: no host slot, block dropped");
+                continue;
             };
-            self.copy(self.hot_mem.region(), hs, self.host_mem.region(), slot)?;
+            if let Err(e) = self.copy(self.hot_mem.region(), hs, self.host_mem.region(), slot) {
+                self.host.remove(v);
+                return Err(e);
+            }
             self.stats.tiers[Tier::Host.index()].bytes_in += self.cfg.block_len;
         }
         Ok(())
@@ -556,8 +571,12 @@ impl TieredCache {
             }
             self.stats.tiers[Tier::File.index()].bytes_in += descs.len() as u64 * len;
         }
+        // Only victims now held by the file leave the host tier (the file may have had no room
+        // for some).
         for v in victims {
-            self.host.remove(v);
+            if self.stored.get(v).is_some() {
+                self.host.remove(v);
+            }
         }
         Ok(())
     }

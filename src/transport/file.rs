@@ -174,6 +174,21 @@ impl StagedFile {
         }
         let align = file.alignment().max(1);
         for (index, d) in descs.iter().enumerate() {
+            // The engine checks its own I/Os again; cuFile does not, so check here for both.
+            let inside = d
+                .offset
+                .checked_add(d.len)
+                .is_some_and(|end| end <= file.size());
+            if !inside || d.len == 0 {
+                return Err(AgentError::Transfer(TransferError::File(
+                    FileError::OutOfRange {
+                        index,
+                        offset: d.offset,
+                        len: d.len,
+                        size: file.size(),
+                    },
+                )));
+            }
             // Chunks cut descriptors, so each must be aligned on its own (the direct path only
             // needs merged I/Os to be). The engine range-checks them again.
             if op == Op::Write && (!d.offset.is_multiple_of(align) || !d.len.is_multiple_of(align))
@@ -283,8 +298,9 @@ impl StagedFile {
         let f = &self.file.inner;
         let (mems, files): (Vec<Chunk>, Vec<Vec<FileDesc>>) = self.chunks.iter().cloned().unzip();
         let staged = staging::stage_out(&self.pool, Arc::clone(&self.copier), mems, STAGE_DEPTH);
+        let n = files.len();
         let mut files = files.into_iter();
-        staging::drain(staged, STAGE_DEPTH, |bounce| {
+        let done = staging::drain(staged, STAGE_DEPTH, |bounce| {
             let descs = files.next().unwrap_or_default();
             let engine = f.engine.clone();
             let (id, left) = (f.info.id, self.left(t0));
@@ -296,6 +312,10 @@ impl StagedFile {
             }
         })
         .await?;
+        if done.len() != n {
+            // The copy stream ended early (its task died): the file is not all written.
+            return Err(AgentError::Staging(StagingError::ThreadGone));
+        }
         Ok(())
     }
 
