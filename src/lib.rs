@@ -2,6 +2,11 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+/// The examples of `docs/using.md`, compiled as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/using.md")]
+pub struct UsingDoctests;
+
 pub mod agent;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
