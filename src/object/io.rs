@@ -5,6 +5,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use hex::FromHex;
 use futures_util::stream::StreamExt;
 use object_store::aws::{AmazonS3, AmazonS3Builder, Checksum};
 use object_store::{
@@ -361,7 +362,7 @@ async fn put(job: &Job, p: &ObjectPlan) -> Result<(), ObjectError> {
         let crc = crc_fast::checksum(crc_fast::CrcAlgorithm::Crc64Nvme, bounce.as_bytes());
         attributes.insert(
             Attribute::Metadata(CRC_METADATA.into()),
-            AttributeValue::from(format!("{crc:016x}")),
+            AttributeValue::from(hex::encode(crc.to_be_bytes())),
         );
     }
     let len = bounce.as_bytes().len() as u64;
@@ -467,7 +468,8 @@ async fn head(client: &AmazonS3, p: &ObjectPlan) -> Result<Head, ObjectError> {
     let crc = r
         .attributes
         .get(&Attribute::Metadata(CRC_METADATA.into()))
-        .and_then(|v| u64::from_str_radix(v.as_ref(), 16).ok());
+        .and_then(|v| <[u8; 8]>::from_hex(v.as_ref()).ok())
+        .map(u64::from_be_bytes);
     Ok(Head {
         size: r.meta.size,
         e_tag: r.meta.e_tag,

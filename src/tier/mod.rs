@@ -267,7 +267,7 @@ impl std::fmt::Debug for TieredCache {
 
 /// The object key of a block.
 pub fn block_key(block: u64) -> String {
-    format!("blocks/{block:016x}")
+    format!("blocks/{}", hex::encode(block.to_be_bytes()))
 }
 
 impl TieredCache {
