@@ -456,37 +456,22 @@ impl Drop for Bounce {
 
 /// Where each descriptor of `local` starts in the stream (the list's bytes read in order).
 pub fn stream_starts(local: &LocalDescList) -> Vec<u64> {
-    local
-        .descs()
-        .iter()
-        .scan(0u64, |acc, d| {
-            let start = *acc;
-            *acc += d.len;
-            Some(start)
-        })
-        .collect()
+    local.stream_starts()
 }
 
 /// The memory of stream bytes `stream..stream+len` of `local` (`starts` from
 /// [`stream_starts`]), as a chunk.
 pub fn chunk_of(local: &LocalDescList, starts: &[u64], stream: u64, len: u64) -> Chunk {
-    let descs = local.descs();
     let regions = local.regions();
-    let mut i = starts.partition_point(|&s| s <= stream).saturating_sub(1);
-    let (mut pos, end) = (stream, stream + len);
-    let mut pieces = Vec::new();
-    while pos < end && i < descs.len() {
-        let d = descs[i];
-        let within = pos - starts[i];
-        let take = (d.len - within).min(end - pos);
-        pieces.push(Piece {
-            region: regions[d.region as usize].clone(),
-            offset: d.offset + within,
-            len: take,
-        });
-        pos += take;
-        i += 1;
-    }
+    let pieces = local
+        .stream_pieces(starts, stream, len)
+        .into_iter()
+        .map(|(r, offset, len)| Piece {
+            region: regions[r].clone(),
+            offset,
+            len,
+        })
+        .collect();
     Chunk { pieces }
 }
 

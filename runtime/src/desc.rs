@@ -449,6 +449,36 @@ impl LocalDescList {
     pub fn total_len(&self) -> u64 {
         self.descs.iter().fold(0u64, |a, d| a.saturating_add(d.len))
     }
+
+    /// Where each descriptor starts in the list's byte stream (its bytes read in order).
+    pub fn stream_starts(&self) -> Vec<u64> {
+        self.descs
+            .iter()
+            .scan(0u64, |acc, d| {
+                let start = *acc;
+                *acc += d.len;
+                Some(start)
+            })
+            .collect()
+    }
+
+    /// The `(region index, offset, len)` pieces of stream bytes `start..start+len`, given
+    /// `starts` from [`Self::stream_starts`].
+    pub fn stream_pieces(&self, starts: &[u64], start: u64, len: u64) -> Vec<(usize, u64, u64)> {
+        // The last descriptor whose stream start is <= start.
+        let mut i = starts.partition_point(|&s| s <= start).saturating_sub(1);
+        let (mut pos, end) = (start, start + len);
+        let mut out = Vec::new();
+        while pos < end && i < self.descs.len() {
+            let d = self.descs[i];
+            let within = pos - starts[i];
+            let take = (d.len - within).min(end - pos);
+            out.push((d.region as usize, d.offset + within, take));
+            pos += take;
+            i += 1;
+        }
+        out
+    }
 }
 
 /// Splits a transfer's byte stream (the local and remote lists read in order) into slices of

@@ -5,8 +5,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use hex::FromHex;
 use futures_util::stream::StreamExt;
+use hex::FromHex;
 use object_store::aws::{AmazonS3, AmazonS3Builder, Checksum};
 use object_store::{
     Attribute, AttributeValue, Attributes, ClientOptions, GetOptions, GetRange, ObjectStore,

@@ -27,15 +27,7 @@ impl Regions {
     /// Checks `local` against its regions.
     pub(crate) fn new(local: LocalDescList) -> Result<Self, InvalidDescriptor> {
         rixl_proto::plan::check_local(|i| local.regions().get(i).map(Region::len), local.descs())?;
-        let starts = local
-            .descs()
-            .iter()
-            .scan(0u64, |acc, d| {
-                let start = *acc;
-                *acc += d.len;
-                Some(start)
-            })
-            .collect();
+        let starts = local.stream_starts();
         Ok(Regions { local, starts })
     }
 
@@ -44,25 +36,8 @@ impl Regions {
         self.local.len()
     }
 
-    /// `(region, offset, len)` pieces covering stream bytes `start..start+len`.
     fn pieces(&self, start: u64, len: u64) -> Vec<(usize, u64, u64)> {
-        let descs = self.local.descs();
-        // The last descriptor whose stream start is <= start.
-        let mut i = self
-            .starts
-            .partition_point(|&s| s <= start)
-            .saturating_sub(1);
-        let (mut pos, end) = (start, start + len);
-        let mut out = Vec::new();
-        while pos < end && i < descs.len() {
-            let d = descs[i];
-            let within = pos - self.starts[i];
-            let take = (d.len - within).min(end - pos);
-            out.push((d.region as usize, d.offset + within, take));
-            pos += take;
-            i += 1;
-        }
-        out
+        self.local.stream_pieces(&self.starts, start, len)
     }
 }
 
