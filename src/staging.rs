@@ -454,13 +454,8 @@ impl Drop for Bounce {
     }
 }
 
-/// Where each descriptor of `local` starts in the stream (the list's bytes read in order).
-pub fn stream_starts(local: &LocalDescList) -> Vec<u64> {
-    local.stream_starts()
-}
-
 /// The memory of stream bytes `stream..stream+len` of `local` (`starts` from
-/// [`stream_starts`]), as a chunk.
+/// [`LocalDescList::stream_starts`]), as a chunk.
 pub fn chunk_of(local: &LocalDescList, starts: &[u64], stream: u64, len: u64) -> Chunk {
     let regions = local.regions();
     let pieces = local

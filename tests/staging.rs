@@ -14,7 +14,7 @@ use futures_util::StreamExt;
 use rixl::agent::AgentError;
 use rixl::object::{ObjectDesc, ObjectError, ObjectSpec};
 use rixl::runtime::{FileDesc, FileError, FileMode, FileSpec, LocalDescList, TransferError};
-use rixl::staging::{chunk_of, stage_out, stream_starts, BouncePool, BounceSource, StagingError};
+use rixl::staging::{chunk_of, stage_out, BouncePool, BounceSource, StagingError};
 use rixl_testkit::s3::{S3Server, ACCESS_KEY, SECRET_KEY};
 
 fn overlaps(a: &[(Instant, Instant)], b: &[(Instant, Instant)]) -> bool {
@@ -33,7 +33,7 @@ fn staging_pipeline_overlaps_copy_and_io_within_bounded_memory() {
     for i in (1..n).step_by(2).chain((0..n).step_by(2)) {
         local.push(src.region(), (i * chunk) as u64, chunk as u64);
     }
-    let starts = stream_starts(&local);
+    let starts = local.stream_starts();
     let chunks: Vec<_> = (0..n)
         .map(|i| chunk_of(&local, &starts, (i * chunk) as u64, chunk as u64))
         .collect();

@@ -21,7 +21,7 @@ use futures_util::StreamExt;
 use rixl::agent::{Agent, AgentConfig, Registration, Visibility};
 use rixl::object::{ObjectDesc, ObjectSpec};
 use rixl::runtime::{FileDesc, FileMode, FileSpec, LocalDescList};
-use rixl::staging::{chunk_of, stage_out, stream_starts, BouncePool, BounceSource, RegionCopier};
+use rixl::staging::{chunk_of, stage_out, BouncePool, BounceSource, RegionCopier};
 use rixl::tier::{Lru, Policy, Tier, TierConfig, TieredCache};
 
 type BoxError = Box<dyn std::error::Error>;
@@ -98,7 +98,7 @@ impl Check {
     /// The copy leg alone: `src` staged through a pool like the transfer's, nothing sent.
     fn copy_leg(&self, src: &Registration, chunk: usize) -> Result<Duration, BoxError> {
         let local = Self::whole(src, self.len);
-        let starts = stream_starts(&local);
+        let starts = local.stream_starts();
         let n = self.len.div_ceil(chunk);
         let chunks: Vec<_> = (0..n)
             .map(|i| {

@@ -279,7 +279,7 @@ pub(crate) async fn transfer(
         counters: Arc::clone(&store.counters),
         copier: Arc::clone(&store.copier),
         pool: store.pools.pool_for(local),
-        starts: staging::stream_starts(local),
+        starts: local.stream_starts(),
         local: local.clone(),
         plans,
         timeout,

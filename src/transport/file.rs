@@ -203,7 +203,7 @@ impl StagedFile {
                 )));
             }
         }
-        let starts = staging::stream_starts(local);
+        let starts = local.stream_starts();
         let mut chunks = Vec::new();
         let mut pos = 0u64;
         let mut cut = descs.iter().copied().peekable();

@@ -27,8 +27,7 @@ use rixl::agent::{Agent, AgentConfig, Registration, Visibility};
 use rixl::object::{ObjectConfig, ObjectDesc, ObjectRegistration, ObjectSpec};
 use rixl::runtime::{FileDesc, FileMode, FileSpec, LocalDescList, Region};
 use rixl::staging::{
-    chunk_of, stage_out, stream_starts, BouncePool, BounceSource, Copier, RegionCopier,
-    StagingError,
+    chunk_of, stage_out, BouncePool, BounceSource, Copier, RegionCopier, StagingError,
 };
 
 type BoxError = Box<dyn std::error::Error>;
@@ -253,7 +252,7 @@ impl Bench {
     /// The copy leg alone: stage the whole object through a pool with `copier`, no I/O.
     fn copy_leg(&self, copier: Arc<dyn Copier>, chunk: u64) -> Result<Duration, BoxError> {
         let local = self.whole(&self.src);
-        let starts = stream_starts(&local);
+        let starts = local.stream_starts();
         let chunks: Vec<_> = (0..self.o.size.div_ceil(chunk))
             .map(|i| {
                 chunk_of(
