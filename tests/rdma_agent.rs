@@ -149,6 +149,7 @@ fn decode_reads_scattered_kv_blocks_and_notifies_prefill() {
         partial: false,
         removed: vec![],
         grants: false,
+        nic: true,
     }
     .encode(&rixl::agent::ClusterKey::env_or_process_local().expect("key"))
     .expect("encode");

@@ -2,6 +2,7 @@
 //! (`ibv_reg_mr` on the device pointer) as the fallback.
 
 use std::os::fd::AsFd;
+use std::sync::Arc;
 
 use rixl_verbs::{AccessFlags, MemoryRegion, ProtectionDomain, Registered};
 
@@ -22,7 +23,8 @@ pub enum RegistrationKind {
 /// peers `addr()`/`rkey()` remotely. The region is deregistered before the memory is freed.
 #[derive(Debug)]
 pub struct GpuRegistration {
-    reg: Registered<DeviceMemory>,
+    /// The memory is shared: multi-rail agents register one allocation with every NIC.
+    reg: Registered<Arc<DeviceMemory>>,
     kind: RegistrationKind,
 }
 
@@ -36,10 +38,25 @@ impl GpuRegistration {
         mem: DeviceMemory,
         access: AccessFlags,
     ) -> Result<GpuRegistration, Error> {
+        Self::register_shared(pd, Arc::new(mem), access)
+    }
+
+    /// Registers memory shared with other registrations (one per NIC: multi-rail) with `pd`,
+    /// dma-buf first, nvidia-peermem second. The memory is freed when the last registration
+    /// that holds it has deregistered.
+    ///
+    /// # Errors
+    /// [`Error::Register`] with both attempts' reasons.
+    pub fn register_shared(
+        pd: &ProtectionDomain,
+        mem: Arc<DeviceMemory>,
+        access: AccessFlags,
+    ) -> Result<GpuRegistration, Error> {
         let dmabuf = match mem.export_dmabuf() {
             Ok(fd) => {
-                // SAFETY: `mem` is moved into the returned value, whose `Registered` frees it only
-                // after the region is deregistered, so the exported memory outlives the registration.
+                // SAFETY: `mem` (a handle on the memory) is moved into the returned value, whose
+                // `Registered` drops it only after deregistering, so the exported memory
+                // outlives the registration.
                 match unsafe {
                     MemoryRegion::register_dmabuf(
                         pd,
@@ -69,7 +86,7 @@ impl GpuRegistration {
         }
     }
 
-    fn done(mr: MemoryRegion, mem: DeviceMemory, kind: RegistrationKind) -> GpuRegistration {
+    fn done(mr: MemoryRegion, mem: Arc<DeviceMemory>, kind: RegistrationKind) -> GpuRegistration {
         tracing::info!(
             gpu = mem.gpu().ordinal(),
             len = mem.len(),
@@ -77,8 +94,9 @@ impl GpuRegistration {
             "GPU memory registered"
         );
         GpuRegistration {
-            // SAFETY: `mr` covers `mem`'s allocation, which `Registered` drops only after
-            // deregistering.
+            // SAFETY: `mr` covers `mem`'s allocation, which `Registered` drops its handle on only
+            // after deregistering; other holders of the `Arc` keep it alive longer, never
+            // shorter.
             reg: unsafe { Registered::from_parts(mr, mem) },
             kind,
         }
@@ -92,6 +110,11 @@ impl GpuRegistration {
     /// The memory.
     pub fn memory(&self) -> &DeviceMemory {
         self.reg.memory()
+    }
+
+    /// The memory, shared: to register it with another NIC ([`Self::register_shared`]).
+    pub fn shared_memory(&self) -> Arc<DeviceMemory> {
+        Arc::clone(self.reg.memory())
     }
 
     /// The NIC registration.

@@ -116,6 +116,8 @@ pub struct EngineHandle {
     tx: mpsc::UnboundedSender<Command>,
     id: u64,
     nic: bool,
+    /// The NIC's verbs device name (`None` on a core without one).
+    device: Option<Arc<str>>,
 }
 
 impl std::fmt::Debug for Command {
@@ -201,6 +203,11 @@ impl EngineHandle {
     /// Whether this core has an RDMA device (otherwise it serves host memory and files only).
     pub fn has_nic(&self) -> bool {
         self.nic
+    }
+
+    /// The verbs device name of this core's NIC (`mlx5_0`, `rxe0`), if it has one.
+    pub fn device_name(&self) -> Option<&str> {
+        self.device.as_deref()
     }
 
     /// Opens and registers a file in this core's FILE tier; see [`FileStore::open`].
@@ -380,6 +387,24 @@ impl EngineHandle {
                     .map(|m| Region::device(m, s.id))
                     .map_err(RuntimeError::from),
             }
+        })
+        .await
+        .unwrap_or_else(lost)
+    }
+
+    /// See [`Engine::register_device_shared`]; [`RuntimeError::NoNic`] on a core without a NIC.
+    ///
+    /// # Errors
+    /// As [`Engine::register_device_shared`], [`RuntimeError::EngineGone`] or
+    /// [`RuntimeError::EnginePanic`].
+    pub async fn register_device_shared(
+        &self,
+        mem: Arc<rixl_gpudirect::DeviceMemory>,
+    ) -> Result<Region, RuntimeError> {
+        self.on_core(move |s| async move {
+            s.rdma(RuntimeError::NoNic)?
+                .register_device_shared(mem)
+                .await
         })
         .await
         .unwrap_or_else(lost)
@@ -676,6 +701,7 @@ pub(crate) fn serve_core(
         tx,
         id,
         nic: engine.is_some(),
+        device: engine.as_ref().map(|e| Arc::from(e.device_name().as_str())),
     };
     let served = Served {
         files: Rc::new(FileStore::new(cfg.file)),

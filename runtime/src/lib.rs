@@ -32,4 +32,6 @@ pub use flag::{wait_flag, Flag};
 pub use handle::{DeviceCopy, EngineHandle};
 pub use join::join_all;
 pub use pool::{available_cpus, EnginePool, DEFAULT_IO_MEMORY};
-pub use rails::{PreparedPart, RailKeys, RailPart, RailSlice, Rails, STRIPE_MIN, STRIPE_SLICE};
+pub use rails::{
+    lanes, PreparedPart, RailKeys, RailPart, RailSlice, Rails, STRIPE_MIN, STRIPE_SLICE,
+};

@@ -92,32 +92,32 @@ impl Rails {
         &self.engines
     }
 
-    /// How many rails a transfer of `bytes` with a peer that has `peer_rails` uses: all the
-    /// rails both have from [`STRIPE_MIN`] bytes on, else one.
-    pub fn stripes(&self, bytes: u64, peer_rails: usize) -> usize {
-        let shared = self.engines.len().min(peer_rails.max(1));
-        if shared > 1 && bytes >= STRIPE_MIN {
-            shared
-        } else {
-            1
+    /// The rails a transfer of `bytes` goes on, given the rails its memory prefers (first
+    /// preferred; see [`lanes`]): the first alone below [`STRIPE_MIN`] bytes, all of them from
+    /// there on.
+    pub fn stripes(&self, bytes: u64, preferred: &[usize]) -> Vec<usize> {
+        match preferred {
+            [] => vec![0],
+            [first, ..] if bytes < STRIPE_MIN => vec![*first],
+            all => all.to_vec(),
         }
     }
 
-    /// Splits a transfer over `rails` rails (slices of [`STRIPE_SLICE`] round-robin), each
-    /// part renamed onto its rail's keys. Empty parts are left out.
+    /// Splits a transfer over `lanes` (rail indexes; slices of [`STRIPE_SLICE`] dealt
+    /// round-robin), each part renamed onto its rail's keys. Empty parts are left out.
     ///
     /// # Errors
     /// As [`RailKeys::local_on`].
     pub fn split(
-        &self,
         local: &LocalDescList,
         remote: &RemoteDescList,
-        rails: usize,
+        lanes: &[usize],
         keys: &impl RailKeys,
     ) -> Result<Vec<RailSlice>, TransferError> {
-        let parts = split_stream(local, remote, rails.max(1), STRIPE_SLICE);
+        let lanes = if lanes.is_empty() { &[0][..] } else { lanes };
+        let parts = split_stream(local, remote, lanes.len(), STRIPE_SLICE);
         let mut out = Vec::with_capacity(parts.len());
-        for (rail, (l, r)) in parts.into_iter().enumerate() {
+        for (&rail, (l, r)) in lanes.iter().zip(parts) {
             if l.is_empty() {
                 continue;
             }
@@ -209,6 +209,30 @@ impl Rails {
     }
 }
 
+/// The rails a transfer between local memory bound to `local` and remote memory bound to
+/// `remote` may use (rail indexes, first preferred), when both agents have `shared` rails
+/// (matched by index): the local binding's rails the remote memory is bound to as well; where
+/// they have none in common, the local binding's (every region is registered on every rail, so
+/// the peer's memory is reachable there, only farther from it); where the local binding has
+/// none below `shared`, rail 0.
+pub fn lanes(local: &[usize], remote: &[usize], shared: usize) -> Vec<usize> {
+    let shared = shared.max(1);
+    let both: Vec<usize> = local
+        .iter()
+        .copied()
+        .filter(|r| *r < shared && (remote.is_empty() || remote.contains(r)))
+        .collect();
+    if !both.is_empty() {
+        return both;
+    }
+    let mine: Vec<usize> = local.iter().copied().filter(|r| *r < shared).collect();
+    if mine.is_empty() {
+        vec![0]
+    } else {
+        mine
+    }
+}
+
 /// The sum of a striped transfer's per-rail results (the first error if any failed).
 ///
 /// # Errors
@@ -228,9 +252,119 @@ pub fn sum_stats<E>(results: Vec<Result<TransferStats, E>>) -> Result<TransferSt
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::desc::Region;
 
     fn stats(bytes: u64, descriptors: usize, work_requests: usize) -> TransferStats {
         TransferStats::new(bytes, descriptors, work_requests, 1)
+    }
+
+    /// Rails without NICs: each rail's "registration" of a region is another host region of the
+    /// same length (its twin), and the peer's key on rail `r` is the rail-0 key plus `r << 24`.
+    struct TwinKeys {
+        /// For each rail-0 region, its twin on rails 1.. (index `rail - 1`).
+        twins: Vec<(Region, Vec<Region>)>,
+    }
+
+    impl RailKeys for TwinKeys {
+        fn local_on(
+            &self,
+            list: &LocalDescList,
+            rail: usize,
+        ) -> Result<LocalDescList, TransferError> {
+            let mut out = LocalDescList::new();
+            for d in list.descs() {
+                let r0 = &list.regions()[d.region as usize];
+                let twin = self
+                    .twins
+                    .iter()
+                    .find(|(r, _)| r.same(r0))
+                    .and_then(|(_, t)| t.get(rail - 1))
+                    .ok_or(TransferError::InvalidDescriptor(
+                        crate::InvalidDescriptor::ForeignRegion { index: 0 },
+                    ))?;
+                out.push(twin, d.offset, d.len);
+            }
+            Ok(out)
+        }
+
+        fn rkey_on(&self, rkey: u32, rail: usize) -> u32 {
+            rkey + ((rail as u32) << 24)
+        }
+    }
+
+    fn host(len: usize) -> Region {
+        Region::host(rixl_verbs::HostBuffer::new(len).expect("host memory"), 1)
+    }
+
+    #[test]
+    fn vram_rails_lanes_follow_both_bindings() {
+        // Both bound to rail 2 of 4: rail 2 alone.
+        assert_eq!(lanes(&[2], &[2], 4), [2]);
+        // Local bound to rails 1 and 0 (1 preferred), remote to 0: the common rail.
+        assert_eq!(lanes(&[1, 0], &[0], 4), [0]);
+        // Nothing in common: the local binding (the peer's memory is registered there too).
+        assert_eq!(lanes(&[3], &[0, 1], 4), [3]);
+        // The peer has fewer rails than the local binding names: those it has, else rail 0.
+        assert_eq!(lanes(&[3, 1], &[], 2), [1]);
+        assert_eq!(lanes(&[3], &[3], 2), [0]);
+        assert_eq!(lanes(&[], &[], 1), [0]);
+    }
+
+    #[test]
+    fn vram_rails_a_striped_transfer_goes_on_each_rails_own_registrations() {
+        // Four rails; a 6 MiB region bound to rails 3 and 1 (3 preferred) on both sides.
+        let len = 6usize << 20;
+        let r0 = host(len);
+        let twins: Vec<Region> = (1..4).map(|_| host(len)).collect();
+        let keys = TwinKeys {
+            twins: vec![(r0.clone(), twins.clone())],
+        };
+        let mut local = LocalDescList::new();
+        local.push(&r0, 0, len as u64);
+        let remote = RemoteDescList(vec![RemoteDesc {
+            addr: 0x10_0000,
+            len: len as u64,
+            rkey: 7,
+        }]);
+        let lanes = lanes(&[3, 1], &[1, 3], 4);
+        assert_eq!(lanes, [3, 1]);
+        let rails = Rails::split(&local, &remote, &lanes, &keys).expect("split");
+        assert_eq!(rails.len(), 2);
+        let mut bytes = 0;
+        for part in &rails {
+            let twin = &twins[part.rail - 1];
+            // Every local piece is on the rail's own registration, never on rail 0's.
+            assert!(part.local.regions().iter().all(|r| r.same(twin)));
+            assert!(part
+                .remote
+                .0
+                .iter()
+                .all(|d| d.rkey == 7 + ((part.rail as u32) << 24)));
+            bytes += part.local.total_len();
+            assert_eq!(part.local.total_len(), part.remote.total_len());
+        }
+        assert_eq!(bytes, len as u64, "every byte on exactly one rail");
+        assert_eq!(rails[0].rail, 3, "the preferred rail takes the first slice");
+        // Memory with no registration on a rail is refused, typed, not posted.
+        let lone = host(4096);
+        let mut foreign = LocalDescList::new();
+        foreign.push(&lone, 0, 4096);
+        let r = Rails::split(
+            &foreign,
+            &RemoteDescList(vec![RemoteDesc {
+                addr: 0,
+                len: 4096,
+                rkey: 1,
+            }]),
+            &[2],
+            &keys,
+        );
+        assert!(matches!(
+            r,
+            Err(TransferError::InvalidDescriptor(
+                crate::InvalidDescriptor::ForeignRegion { .. }
+            ))
+        ));
     }
 
     #[test]

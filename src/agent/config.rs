@@ -82,10 +82,21 @@ pub struct AgentConfig {
     /// glommio I/O memory of the engine's core (locked; the FILE tier stages its I/O there and
     /// falls back to the heap when it is full).
     pub io_memory: usize,
-    /// RDMA devices to stripe large transfers over (multi-rail), one engine each on CPUs
-    /// `cpu`, `cpu + 1`, ...; empty or one entry: a single rail on `engine.device`. Every DRAM
-    /// registration is registered on each rail. Default: `RIXL_RDMA_RAILS` (comma-separated).
+    /// RDMA devices to open (one rail each, an engine each on CPUs `cpu`, `cpu + 1`, ...).
+    /// Empty: with `engine.device` unset (`RIXL_RDMA_DEVICE`), the NICs the topology says this
+    /// agent's GPUs and NUMA node are nearest to ([`Self::gpus`]); when the model places no
+    /// NIC (software RoCE only), a single rail on the first device. Every registration is
+    /// registered on each rail, and bound to the nearest ones ([`super::Agent::binding`]).
+    /// Default: `RIXL_RDMA_RAILS` (comma-separated).
     pub rails: Vec<String>,
+    /// The machine model NICs are chosen from. `None`: this machine's (hwloc + NVML), or the
+    /// hwloc XML export named by `RIXL_TOPOLOGY_XML`.
+    pub topology: Option<std::sync::Arc<crate::topology::Machine>>,
+    /// The GPUs (PCI-bus order) whose memory this agent registers: with neither
+    /// [`Self::rails`] nor `engine.device` set, the agent opens their nearest NICs (and the
+    /// nearest of its CPU's NUMA node). `None`: `RIXL_GPUS` (comma-separated), else every GPU of
+    /// the model.
+    pub gpus: Option<Vec<u32>>,
     /// The longest a connection set-up to a peer may take (the side-channel exchange and the
     /// queue pair's transitions); a transfer also waits no longer than its own deadline.
     pub connect_timeout: Duration,
@@ -137,6 +148,10 @@ impl Default for AgentConfig {
                         .collect()
                 })
                 .unwrap_or_default(),
+            topology: None,
+            gpus: std::env::var("RIXL_GPUS")
+                .ok()
+                .map(|v| v.split(',').filter_map(|s| s.trim().parse().ok()).collect()),
             connect_timeout: Duration::from_secs(5),
             cluster_key: None,
             insecure: false,

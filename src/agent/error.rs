@@ -55,6 +55,17 @@ pub enum AgentError {
     /// [`super::Visibility::ReadOnly`]).
     #[error("region {0} is visible to every peer: rights per agent need Visibility::Only or Visibility::Granted")]
     UnnamedRegion(u64),
+    /// The topology named by `RIXL_TOPOLOGY_XML` could not be read.
+    #[error("topology: {0}")]
+    Topology(#[from] crate::topology::TopologyError),
+    /// A NIC binding named a NIC this agent did not open ([`super::Agent::bind`]).
+    #[error("no NIC {nic:?} among this agent's NICs {have:?}")]
+    UnknownNic {
+        /// The name asked for (empty: none was named).
+        nic: String,
+        /// The agent's NICs, one per rail.
+        have: Vec<String>,
+    },
     /// This agent has no such region reachable by the reader (not registered, released, or
     /// scoped to other agents).
     #[error("no local region {0} is registered and visible to the reader")]

@@ -6,19 +6,21 @@
 //! "RIXLMD" | version u16 | total length u32 | name (u16 len + utf8) | generation u64
 //!          | side-channel address (u16 len + utf8) | node (u16 len + utf8) | process u32
 //!          | rails u8 | flags u8 | region count u32
-//!          | regions: id u64, addr u64, len u64, rkey u32 per rail, kind u8
+//!          | regions: id u64, addr u64, len u64, rkey u32 per rail, kind u8, bound rails u8
 //!          | IPC export count u32 | exports: region id u64, GPU ordinal u32, handle 64 bytes
 //!          | removed count u32 | removed region ids u64
 //!          | HMAC-SHA256 of everything before, under the cluster key (32 bytes)
 //! ```
 //!
-//! Version 4 replaced the FNV checksum of version 3 with the HMAC tag: a blob is believed only
+//! Version 5 added each region's bound rails (a bit per rail: the NICs nearest its memory,
+//! which transfers to it prefer). Version 4 replaced the FNV checksum of version 3 with the HMAC tag: a blob is believed only
 //! when a holder of the cluster key made it, and the name it carries is covered by the tag.
 //! Blobs of versions 1-3 carry no tag and are refused (`IncompatibleVersion`). Decoding checks
 //! the tag before it reads a field, bounds every count by the bytes left before it allocates,
 //! and is linear in the blob.
 //!
-//! Flags: bit 1, the regions are reached through grants only (their keys name them and reach
+//! Flags: bit 2, the agent has no NIC (peers reach it on the side channel and by CUDA IPC
+//! only; notifications travel on the side channel). Bit 1, the regions are reached through grants only (their keys name them and reach
 //! nothing; a reader asks for its own key per connection).
 //!
 //! Partial metadata (flags bit 0): a blob with only some regions (`getLocalPartialMD`), merged
@@ -30,7 +32,7 @@ use std::collections::HashSet;
 use super::auth::{ClusterKey, TAG_LEN};
 
 /// Current format version.
-pub const VERSION: u16 = 4;
+pub const VERSION: u16 = 5;
 /// Most rails (NICs) a region can be registered on.
 pub const MAX_RAILS: usize = 8;
 const MAGIC: &[u8; 6] = b"RIXLMD";
@@ -38,7 +40,7 @@ const MAGIC: &[u8; 6] = b"RIXLMD";
 pub const MAX_BLOB: usize = 64 << 20;
 const MAX_NAME: usize = 256;
 const fn region_bytes(rails: usize) -> usize {
-    8 + 8 + 8 + 4 * rails + 1
+    8 + 8 + 8 + 4 * rails + 1 + 1
 }
 
 /// Memory kind of a region.
@@ -66,9 +68,17 @@ pub struct RegionInfo {
     pub kind: MemKind,
     /// Remote keys of rails 1.. (`rail_rkeys[i - 1]` for rail `i`; unused entries are 0).
     pub rail_rkeys: [u32; MAX_RAILS - 1],
+    /// The rails its memory is bound to (bit `i`: rail `i`; never 0): the NICs nearest it,
+    /// which transfers to it prefer.
+    pub bound: u8,
 }
 
 impl RegionInfo {
+    /// The rails its memory is bound to, in index order.
+    pub fn bound_rails(&self) -> impl Iterator<Item = usize> + '_ {
+        (0..MAX_RAILS).filter(|i| self.bound & (1 << i) != 0)
+    }
+
     /// The remote key on rail `rail`.
     pub fn rkey_on(&self, rail: usize) -> u32 {
         if rail == 0 {
@@ -107,6 +117,9 @@ pub struct AgentMetadata {
     /// name regions and reach nothing; the reader asks for its own key per connection (a
     /// memory window bound to that connection's queue pair).
     pub grants: bool,
+    /// Whether the agent has a NIC (flags bit 2 clear): without one, peers reach it on the side
+    /// channel and by CUDA IPC only.
+    pub nic: bool,
 }
 
 /// A VRAM region's CUDA IPC handle.
@@ -203,7 +216,9 @@ impl AgentMetadata {
         put_str(&mut out, &self.node);
         out.extend_from_slice(&self.process.to_be_bytes());
         out.push(rails as u8);
-        out.push(u8::from(self.partial) | (u8::from(self.grants) << 1));
+        out.push(
+            u8::from(self.partial) | (u8::from(self.grants) << 1) | (u8::from(!self.nic) << 2),
+        );
         out.extend_from_slice(&(self.regions.len() as u32).to_be_bytes());
         for r in &self.regions {
             out.extend_from_slice(&r.id.to_be_bytes());
@@ -216,6 +231,7 @@ impl AgentMetadata {
                 MemKind::Dram => 0,
                 MemKind::Vram => 1,
             });
+            out.push(r.bound);
         }
         out.extend_from_slice(&(self.ipc.len() as u32).to_be_bytes());
         for x in &self.ipc {
@@ -301,10 +317,10 @@ impl AgentMetadata {
             return Err(MetadataError::Invalid(format!("{rails} rails")));
         }
         let flags = r.u8()?;
-        if flags & !0b11 != 0 {
+        if flags & !0b111 != 0 {
             return Err(MetadataError::Invalid(format!("flags {flags:#x}")));
         }
-        let (partial, grants) = (flags & 1 != 0, flags & 2 != 0);
+        let (partial, grants, nic) = (flags & 1 != 0, flags & 2 != 0, flags & 4 == 0);
         let count = r.u32()? as usize;
         // The IPC and removed counts (4 bytes each) follow the regions.
         if count.saturating_mul(region_bytes(rails)).saturating_add(8) > body.len() - r.at {
@@ -325,6 +341,12 @@ impl AgentMetadata {
                 1 => MemKind::Vram,
                 k => return Err(MetadataError::Invalid(format!("memory kind {k}"))),
             };
+            let bound = r.u8()?;
+            if bound == 0 || (rails < 8 && bound >> rails != 0) {
+                return Err(MetadataError::Invalid(format!(
+                    "region {id}: bound to rails {bound:#04x} of {rails}"
+                )));
+            }
             if len == 0 || addr.checked_add(len).is_none() {
                 return Err(MetadataError::Invalid(format!("region {id}: bad range")));
             }
@@ -338,6 +360,7 @@ impl AgentMetadata {
                 rkey,
                 kind,
                 rail_rkeys,
+                bound,
             });
         }
         let n = r.u32()? as usize;
@@ -386,6 +409,7 @@ impl AgentMetadata {
             partial,
             removed,
             grants,
+            nic,
         })
     }
 }
@@ -463,6 +487,7 @@ mod tests {
                     rkey: 0x100 + i as u32,
                     kind: MemKind::Dram,
                     rail_rkeys: [0x200 + i as u32, 0, 0, 0, 0, 0, 0],
+                    bound: if i == 1 { 0b10 } else { 0b01 },
                 })
                 .collect(),
             rails: 2,
@@ -472,6 +497,7 @@ mod tests {
             partial: false,
             removed: vec![],
             grants: true,
+            nic: true,
         }
     }
 
@@ -488,13 +514,40 @@ mod tests {
         // The flags byte: after the header, name, generation, address, node, process, rails.
         let at = 12 + 2 + m.name.len() + 8 + 2 + m.address.len() + 2 + m.node.len() + 4 + 1;
         assert_eq!(blob[at], 0b11, "partial, and grants");
+        let nic_less = AgentMetadata {
+            nic: false,
+            ..m.clone()
+        };
+        let blob2 = nic_less.encode(&key()).expect("encode");
+        assert_eq!(blob2[at], 0b111, "partial, grants, and no NIC");
+        assert_eq!(
+            AgentMetadata::decode(&blob2, &key()).expect("decode"),
+            nic_less
+        );
         let mut bad = blob.clone();
-        bad[at] = 4;
+        bad[at] = 8;
         retag(&mut bad);
         assert!(matches!(
             AgentMetadata::decode(&bad, &key()),
             Err(MetadataError::Invalid(_))
         ));
+        // A region bound to no rail, or to a rail the agent does not have.
+        for bound in [0u8, 0b100] {
+            let mut r = sample();
+            r.regions[0].bound = bound;
+            let mut blob = r.encode(&key()).expect("encode");
+            // The first region's bound byte ends its 8+8+8+4*2+1+1 bytes after the count.
+            let first = at + 1 + 4;
+            assert_eq!(blob[first + 33], bound);
+            retag(&mut blob);
+            assert!(
+                matches!(
+                    AgentMetadata::decode(&blob, &key()),
+                    Err(MetadataError::Invalid(ref m)) if m.contains("bound")
+                ),
+                "bound {bound:#x}"
+            );
+        }
     }
 
     #[test]
@@ -544,8 +597,9 @@ mod tests {
             AgentMetadata::decode(b"GET / HTTP/1.1\r\n\r\n", &key()),
             Err(MetadataError::BadMagic)
         );
-        // Version 3 blobs carried an FNV sum, no tag: refused, as are later versions.
-        for version in [3u16, 5] {
+        // Version 3 blobs carried an FNV sum, no tag; version 4 no bound rails: refused, as are
+        // later versions.
+        for version in [3u16, 4, 6] {
             let mut other = blob.clone();
             other[6..8].copy_from_slice(&version.to_be_bytes());
             retag(&mut other);

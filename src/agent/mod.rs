@@ -21,6 +21,7 @@ pub(crate) mod grants;
 mod handle;
 mod link;
 pub mod metadata;
+mod nics;
 mod notify;
 mod peers;
 pub(crate) mod registry;
@@ -47,6 +48,7 @@ pub use etcd::MembershipCounters;
 pub use grants::GrantCounters;
 pub use handle::{CallOptions, Transfer, TransferStatus};
 pub use link::{LinkCounters, BACKOFF_MAX, BACKOFF_MIN};
+pub use nics::{Bind, NicBinding};
 pub use notify::{Notification, Notifications, MAX_NOTIFICATION, NOTIFICATION_QUEUE};
 pub use registry::{FileRegistration, MemoryInfo, Registration, RegistrationCounters, Released};
 pub use requests::{PreparedLocal, PreparedRemote, TransferRequest};
@@ -72,6 +74,8 @@ pub(crate) struct Inner {
     notif_tx: mpsc::Sender<Notification>,
     /// Notifications a peer may deliver per second ([`AgentConfig::notification_rate`]).
     notification_rate: u32,
+    /// The rate caps of peers' notifications on the side channel, by peer.
+    side_caps: Mutex<std::collections::HashMap<String, notify::RateCap>>,
     notif_rx: Mutex<Option<Notifications>>,
     stopped: AtomicBool,
     /// Connection set-ups, their backoff, and retired connections.
@@ -96,6 +100,8 @@ pub(crate) struct Inner {
     grants: grants::GrantTable,
     /// The OBJECT tier's I/O threads, started by the first object registration.
     objects: std::sync::OnceLock<Arc<crate::object::Runtime>>,
+    /// The machine model and each rail's NIC: what registrations are bound by.
+    nics: nics::Nics,
 }
 
 /// The side channel's bounds ([`AgentConfig::max_side_channel_connections`],
@@ -158,14 +164,31 @@ impl Agent {
         if identity.insecure {
             tracing::warn!(agent = %name, "agent configured INSECURE: peers' names are not authenticated and metadata is not protected");
         }
+        let machine = match cfg.topology.clone() {
+            Some(m) => m,
+            None => Arc::new(match std::env::var_os("RIXL_TOPOLOGY_XML") {
+                Some(p) => crate::topology::hwloc::from_xml_file(std::path::Path::new(&p))?,
+                None => crate::nvlink::discover_machine(),
+            }),
+        };
+        let home_numa = machine.numa_of_cpu(cfg.cpu as u32);
+        let mut devices = cfg.rails.clone();
+        if devices.is_empty() && cfg.engine.device.is_none() {
+            devices = machine.agent_nics(cfg.gpus.as_deref(), home_numa);
+            if !devices.is_empty() {
+                tracing::info!(agent = %name, nics = ?devices, gpus = ?cfg.gpus, numa = ?home_numa, "NICs chosen from the topology");
+            }
+        }
         let ncpu = crate::runtime::available_cpus().len().max(1);
         let mut first = cfg.engine.clone();
         first.window_grants = cfg.nic_grants;
-        if cfg.rails.len() > 1 {
-            first.device = Some(cfg.rails[0].clone());
+        if let Some(d) = devices.first() {
+            if devices.len() > 1 || first.device.is_none() {
+                first.device = Some(d.clone());
+            }
         }
         let mut pools = vec![EnginePool::start(&first, &[cfg.cpu], cfg.io_memory)?];
-        for (i, dev) in cfg.rails.iter().enumerate().skip(1).take(MAX_RAILS - 1) {
+        for (i, dev) in devices.iter().enumerate().skip(1).take(MAX_RAILS - 1) {
             let mut c = cfg.engine.clone();
             c.device = Some(dev.clone());
             c.window_grants = cfg.nic_grants;
@@ -176,6 +199,10 @@ impl Agent {
             )?);
         }
         let engines: Vec<EngineHandle> = pools.iter().map(|p| p.handles()[0].clone()).collect();
+        let names: Vec<String> = engines
+            .iter()
+            .map(|e| e.device_name().unwrap_or_default().to_string())
+            .collect();
         let (notif_tx, notif_rx) = mpsc::channel(notify::NOTIFICATION_QUEUE);
         let generation = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
@@ -197,6 +224,7 @@ impl Agent {
                 address: Mutex::new(String::new()),
                 notif_tx,
                 notification_rate: cfg.notification_rate,
+                side_caps: Mutex::new(Default::default()),
                 notif_rx: Mutex::new(Some(notif_rx)),
                 stopped: AtomicBool::new(false),
                 links: link::Links::default(),
@@ -214,6 +242,11 @@ impl Agent {
                 nic_grants: cfg.nic_grants,
                 grants: Default::default(),
                 objects: std::sync::OnceLock::new(),
+                nics: nics::Nics {
+                    names,
+                    machine,
+                    home_numa,
+                },
             }),
         })
     }

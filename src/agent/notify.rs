@@ -1,5 +1,7 @@
 //! Notifications: small messages between agents (NIXL's `genNotif`), sent on a peer's rail-0
-//! connection and delivered to the receiver's notification stream.
+//! connection and delivered to the receiver's notification stream. Where either agent has no
+//! NIC (a GPU node whose peers are reached by CUDA IPC only), they travel on the side channel
+//! instead, under the same bounds.
 //!
 //! Bounded end to end: the stream holds at most [`NOTIFICATION_QUEUE`] notifications, each
 //! connection's engine inbox at most `INBOX_LIMIT` messages, and each peer may deliver at most
@@ -17,7 +19,7 @@ use futures_channel::mpsc;
 use crate::runtime::{ConnId, Message};
 
 use super::snapshot::lock;
-use super::{link, Agent, AgentError, Inner};
+use super::{link, sidechannel, Agent, AgentError, Inner};
 
 /// Largest notification (the engine's message size).
 pub const MAX_NOTIFICATION: usize = 4096;
@@ -33,7 +35,7 @@ pub const NOTIFICATION_QUEUE: usize = 1024;
 
 /// A token bucket: `rate` per second, bursts of up to `rate / 10` (at least 16).
 #[derive(Debug)]
-struct RateCap {
+pub(crate) struct RateCap {
     rate: f64,
     burst: f64,
     tokens: f64,
@@ -86,8 +88,37 @@ impl Agent {
             return Err(AgentError::NotificationTooLarge(msg.len()));
         }
         let deadline = std::time::Instant::now() + self.inner.transfer_timeout;
-        let conn = link::ensure(&self.inner, peer, 0, Some(deadline)).await?;
-        self.notify_checked(peer, conn, msg).await
+        self.notify_by(peer, msg, deadline).await
+    }
+
+    /// Sends `msg` to `peer` on its rail-0 connection, or on the side channel when either agent
+    /// has no NIC.
+    pub(crate) async fn notify_by(
+        &self,
+        peer: &str,
+        msg: &[u8],
+        deadline: Instant,
+    ) -> Result<(), AgentError> {
+        let p = self.inner.peer(peer)?;
+        let peer_nic = p.metadata.as_ref().is_none_or(|m| m.nic);
+        if self.has_nic() && peer_nic {
+            let conn = link::ensure(&self.inner, peer, 0, Some(deadline)).await?;
+            return self.notify_checked(peer, conn, msg).await;
+        }
+        if msg.is_empty() || msg.len() > MAX_NOTIFICATION {
+            return Err(AgentError::NotificationTooLarge(msg.len()));
+        }
+        let addr = p.side_channel(peer)?;
+        let (inner, peer, msg) = (Arc::clone(&self.inner), peer.to_string(), msg.to_vec());
+        let (tx, rx) = futures_channel::oneshot::channel();
+        std::thread::Builder::new()
+            .name("rixl-notify-send".into())
+            .spawn(move || {
+                let r = sidechannel::send_notification(&inner, &peer, &addr, &msg, deadline);
+                let _ = tx.send(r);
+            })
+            .map_err(AgentError::ControlThread)?;
+        rx.await.unwrap_or(Err(AgentError::Stopped))
     }
 
     /// Sends `msg` on `conn` to `peer`; a connection that failed doing so is retired.
@@ -120,6 +151,29 @@ impl Agent {
 }
 
 impl Inner {
+    /// Delivers a notification `requester` sent on the side channel: after the requester's rate
+    /// cap allows it, and once the stream has room (the requester's exchange waits meanwhile,
+    /// within its deadline; nothing is dropped).
+    ///
+    /// # Errors
+    /// [`AgentError::Stopped`] once the stream is gone.
+    pub(crate) async fn deliver(&self, requester: &str, msg: Vec<u8>) -> Result<(), AgentError> {
+        let wait = lock(&self.side_caps)
+            .entry(requester.to_string())
+            .or_insert_with(|| RateCap::new(self.notification_rate))
+            .take(Instant::now());
+        if !wait.is_zero() {
+            tracing::debug!(peer = %requester, ?wait, "notification rate cap reached; waiting");
+            futures_timer::Delay::new(wait).await;
+        }
+        let mut tx = self.notif_tx.clone();
+        futures_lite::future::poll_fn(|cx| tx.poll_ready(cx))
+            .await
+            .map_err(|_| AgentError::Stopped)?;
+        tx.start_send((requester.to_string(), msg))
+            .map_err(|_| AgentError::Stopped)
+    }
+
     /// Delivers messages arriving on `conn` from `peer` to the notification stream until the
     /// connection ends.
     pub(crate) fn spawn_receiver(self: &Arc<Self>, peer: String, conn: ConnId) {

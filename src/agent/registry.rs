@@ -1,4 +1,5 @@
-//! This agent's memory: registrations (DRAM on every rail, VRAM exported for CUDA IPC, files),
+//! This agent's memory: registrations (DRAM and VRAM on every rail, each bound to its nearest
+//! NICs; VRAM exported for CUDA IPC; files),
 //! the table peers' metadata is made from, and the metadata itself as one reader may see it.
 
 use std::collections::BTreeMap;
@@ -36,6 +37,8 @@ pub(crate) struct Reg {
     pub rails: Vec<Region>,
     pub visibility: Visibility,
     pub export: Option<VramExport>,
+    /// The NICs its transfers prefer.
+    pub binding: super::nics::NicBinding,
 }
 
 /// Registrations by id.
@@ -324,7 +327,7 @@ impl Agent {
             .engine(0)
             .register_gpu(ordinal, len)
             .await?;
-        Ok(self.add_vram(region, visibility))
+        self.add_vram(region, visibility).await
     }
 
     /// Registers GPU memory the caller already owns (its allocator's), visible per
@@ -345,11 +348,23 @@ impl Agent {
         visibility: Visibility,
     ) -> Result<Registration, AgentError> {
         let region = self.inner.rails.engine(0).register_device(mem).await?;
-        Ok(self.add_vram(region, visibility))
+        self.add_vram(region, visibility).await
     }
 
-    /// A VRAM region registered, with its CUDA IPC export when it can have one.
-    fn add_vram(&self, region: Region, visibility: Visibility) -> Registration {
+    /// A VRAM region registered, with its CUDA IPC export when it can have one, and the same
+    /// memory registered with every other rail's NIC (a transfer on any rail names it there).
+    async fn add_vram(
+        &self,
+        region: Region,
+        visibility: Visibility,
+    ) -> Result<Registration, AgentError> {
+        let mut rails = Vec::new();
+        if let Some(g) = region.gpu_registration() {
+            let mem = g.shared_memory();
+            for e in &self.inner.rails.engines()[1..] {
+                rails.push(e.register_device_shared(Arc::clone(&mem)).await?);
+            }
+        }
         let export = region
             .gpu_memory()
             .filter(|m| m.dmabuf_offset() == 0)
@@ -363,12 +378,13 @@ impl Agent {
                     None
                 }
             });
-        self.add_registration(Reg {
+        Ok(self.add_registration(Reg {
+            binding: self.inner.bind_new(&region),
             region,
-            rails: Vec::new(),
+            rails,
             visibility,
             export,
-        })
+        }))
     }
 
     /// Registers host memory the caller already owns (a serving engine's KV cache or weights),
@@ -410,8 +426,10 @@ impl Agent {
     ) -> Result<Registration, AgentError> {
         let engines = self.inner.rails.engines();
         if !engines[0].has_nic() {
+            let region = engines[0].unregistered(mem);
             return Ok(self.add_registration(Reg {
-                region: engines[0].unregistered(mem),
+                binding: self.inner.bind_new(&region),
+                region,
                 rails: Vec::new(),
                 visibility,
                 export: None,
@@ -450,6 +468,7 @@ impl Agent {
         }
         let region = regions.remove(0);
         Ok(self.add_registration(Reg {
+            binding: self.inner.bind_new(&region),
             region,
             rails: regions,
             visibility,
@@ -513,6 +532,7 @@ impl Agent {
         if engines.len() == 1 {
             let region = engines[0].register(len).await?;
             return Ok(self.add_registration(Reg {
+                binding: self.inner.bind_new(&region),
                 region,
                 rails: Vec::new(),
                 visibility,
@@ -529,6 +549,7 @@ impl Agent {
             rails.push(e.register_shared(Arc::clone(&mem)).await?);
         }
         Ok(self.add_registration(Reg {
+            binding: self.inner.bind_new(&region),
             region,
             rails,
             visibility,
@@ -677,6 +698,7 @@ impl Inner {
                         MemKind::Dram
                     },
                     rail_rkeys,
+                    bound: r.binding.mask(),
                 }
             })
             .collect();
@@ -701,6 +723,7 @@ impl Inner {
             partial: only.is_some(),
             removed,
             grants: self.nic_grants,
+            nic: self.rails.engine(0).has_nic(),
         }
     }
 }

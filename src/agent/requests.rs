@@ -8,8 +8,8 @@ use std::time::Instant;
 
 use crate::nvlink::plan::IpcPlan;
 use crate::runtime::{
-    ConnId, FileDesc, LocalDescList, Op, PreparedPart, RailPart, RailSlice, Region, RemoteDesc,
-    RemoteDescList, TransferStats,
+    ConnId, FileDesc, LocalDescList, Op, PreparedPart, RailPart, RailSlice, Rails, Region,
+    RemoteDesc, RemoteDescList, TransferStats,
 };
 use crate::transport::{
     FileRequest, FileTransport, IpcRequest, IpcTransport, RdmaRequest, RdmaTransport, Transport,
@@ -325,8 +325,7 @@ impl Agent {
             };
             let st = transport.transfer(op, request).await?;
             if let Some(msg) = notification {
-                let conn = link::ensure(&self.inner, peer, 0, Some(deadline)).await?;
-                self.notify_checked(peer, conn, msg).await?;
+                self.notify_by(peer, msg, deadline).await?;
             }
             return Ok(st);
         }
@@ -341,12 +340,10 @@ impl Agent {
             (&*now, moved)
         };
         let descriptors = local.len();
-        let rails = self
-            .inner
-            .rails
-            .stripes(local.total_len(), self.inner.peer_rails(p));
-        let parts = if rails > 1 {
-            self.rail_parts(peer, p, &local, &remote, rails, deadline)
+        let lanes = self.inner.lanes_for(p, &local, &remote);
+        let striped = lanes.len() > 1;
+        let parts = if lanes != [0] {
+            self.rail_parts(peer, p, &local, &remote, &lanes, deadline)
                 .await?
         } else {
             vec![RailPart {
@@ -358,8 +355,8 @@ impl Agent {
                 conn,
             }]
         };
-        if rails > 1 {
-            tracing::debug!(agent = %self.inner.name, %peer, rails = parts.len(), "striped transfer");
+        if striped {
+            tracing::debug!(agent = %self.inner.name, %peer, rails = ?lanes, "striped transfer");
         }
         let parts = self.inner.on_grants(peer, &now, parts, deadline).await?;
         let transport = RdmaTransport {
@@ -385,7 +382,7 @@ impl Agent {
         Ok(st)
     }
 
-    /// A striped transfer's parts on `rails` rails, each on its rail's keys and connection
+    /// A transfer's parts on `lanes` (rail indexes), each on its rail's keys and connection
     /// (connecting rails on first use).
     async fn rail_parts(
         &self,
@@ -393,7 +390,7 @@ impl Agent {
         p: &Peer,
         local: &LocalDescList,
         remote: &RemoteDescList,
-        rails: usize,
+        lanes: &[usize],
         deadline: Instant,
     ) -> Result<Vec<RailPart>, AgentError> {
         let slices = {
@@ -403,7 +400,7 @@ impl Agent {
                 peer_by_rkey: &p.by_rkey,
                 grants: p.metadata.as_ref().is_some_and(|m| m.grants),
             };
-            self.inner.rails.split(local, remote, rails, &map)?
+            Rails::split(local, remote, lanes, &map)?
         };
         let mut parts = Vec::with_capacity(slices.len());
         for slice in slices {
@@ -501,13 +498,10 @@ impl Agent {
                 remote: resolved.remote,
             },
             Route::Rdma => {
-                let rails = self
-                    .inner
-                    .rails
-                    .stripes(local.total_len(), self.inner.peer_rails(&p));
+                let lanes = self.inner.lanes_for(&p, local, &resolved.remote);
                 let deadline = Instant::now() + self.inner.connect_timeout;
-                let parts = if rails > 1 {
-                    self.rail_parts(peer, &p, local, &resolved.remote, rails, deadline)
+                let parts = if lanes != [0] {
+                    self.rail_parts(peer, &p, local, &resolved.remote, &lanes, deadline)
                         .await?
                 } else {
                     let conn = link::ensure(&self.inner, peer, 0, Some(deadline)).await?;

@@ -8,16 +8,20 @@
 //! - [`Machine::choose_path`]: local copy, CUDA IPC, GPUDirect RDMA or host-staged RDMA, as a
 //!   pure function of the model and the two endpoints; [`Machine::rails`] and [`stripe`] for
 //!   multi-rail striping.
+//! - [`Machine::nic_choice`]: the NICs memory is bound to (nearest, equally near only), and
+//!   [`Machine::agent_nics`]: the NICs an agent opens.
 //!
 //! Anything missing (no hwloc I/O discovery, no GPU, no NIC) gives a smaller model, never a panic.
 #![forbid(unsafe_code)]
 
+mod choice;
 mod discover;
 pub mod hwloc;
 mod model;
 mod path;
 mod sysfs;
 
+pub use choice::NicChoice;
 pub use discover::{discover, normalize_pci, PciGpuLink};
 pub use hwloc::TopologyError;
 pub use model::{Bridge, Gpu, GpuLink, Machine, Nic, Numa, PciPlace, Relation};

@@ -89,9 +89,10 @@ pub struct Slice {
     pub len: u64,
 }
 
-/// GPUDirect RDMA is used when the NIC is at most this far from the GPU (NCCL's default
-/// `NCCL_NET_GDR_LEVEL`): through the root complex, peer-to-peer reads are slow on many CPUs.
-pub const GDR_MAX_RELATION: Relation = Relation::Pxb;
+/// GPUDirect RDMA is used when the NIC is at most this far from the GPU: within the GPU's NUMA
+/// node. Across sockets (the SMP interconnect) peer-to-peer reads are slow on most CPUs, and the
+/// memory is staged through pinned host memory instead.
+pub const GDR_MAX_RELATION: Relation = Relation::Node;
 
 impl Machine {
     /// Every NIC ordered by nearness to `memory`. Equally near NICs are rotated by the GPU's

@@ -229,3 +229,117 @@ fn the_live_machine_loads() {
     assert!(!m.numa.is_empty());
     assert!(m.numa.iter().map(|n| n.cpus.len()).sum::<usize>() >= 1);
 }
+
+fn names(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+#[test]
+fn nic_choice_dgx_h100_like_box_binds_each_gpu_to_its_own_nic() {
+    let m = load("dgx-h100-like.xml");
+    assert_eq!((m.gpus.len(), m.nics.len(), m.numa.len()), (8, 8, 2));
+    // 4 top-level switches, each with 2 second-level switches (upstream + 2 ports each).
+    assert_eq!(m.bridges.iter().filter(|b| b.host).count(), 4);
+    for g in 0..8u32 {
+        let c = m.nic_choice(GPU(g), None);
+        assert_eq!(names(&c.nics), [format!("mlx5_{g}")], "GPU {g}");
+        assert_eq!(c.relation, Relation::Pix, "GPU {g}");
+        assert!(c.gpudirect());
+        // Its switch neighbour's NIC is one level farther (PXB): never striped with.
+        let rails = m.rails(GPU(g));
+        assert_eq!(rails[1].nic, format!("mlx5_{}", g ^ 1));
+        assert_eq!(rails[1].relation, Relation::Pxb);
+    }
+    // Host memory: the 4 NICs of its socket, equally near.
+    assert_eq!(
+        names(&m.nic_choice(HOST(1), None).nics),
+        ["mlx5_4", "mlx5_5", "mlx5_6", "mlx5_7"]
+    );
+    // Among an agent's NICs only: GPU 2 with only mlx5_3 and mlx5_6 open takes mlx5_3 (PXB,
+    // same socket) over mlx5_6 (SYS).
+    let open = ["mlx5_3".to_string(), "mlx5_6".to_string()];
+    let c = m.nic_choice(GPU(2), Some(&open));
+    assert_eq!(
+        (names(&c.nics), c.relation),
+        (vec!["mlx5_3"], Relation::Pxb)
+    );
+    // Across sockets only: staged through host memory, not GPUDirect.
+    let c = m.nic_choice(GPU(2), Some(&open[1..]));
+    assert_eq!(
+        (names(&c.nics), c.relation),
+        (vec!["mlx5_6"], Relation::Sys)
+    );
+    assert!(!c.gpudirect());
+    // An agent serving GPU 5 with its engine on socket 1 opens mlx5_5 only (its host memory
+    // binds to it too); one serving every GPU opens all 8.
+    assert_eq!(m.agent_nics(Some(&[5]), Some(1)), ["mlx5_5"]);
+    assert_eq!(m.agent_nics(Some(&[5]), Some(0)), ["mlx5_0", "mlx5_5"]);
+    assert_eq!(m.agent_nics(None, Some(0)).len(), 8);
+    assert_eq!(m.numa_of_cpu(9), Some(1));
+}
+
+#[test]
+fn nic_choice_four_gpu_two_nic_box_at_four_distances() {
+    let m = load("four-gpu-two-nic.xml");
+    assert_eq!((m.gpus.len(), m.nics.len()), (4, 2));
+    for (g, nic, rel) in [
+        (0, "mlx5_0", Relation::Pix),
+        (1, "mlx5_0", Relation::Node),
+        (2, "mlx5_1", Relation::Phb),
+        (3, "mlx5_1", Relation::Node),
+    ] {
+        let c = m.nic_choice(GPU(g), None);
+        assert_eq!((names(&c.nics), c.relation), (vec![nic], rel), "GPU {g}");
+        assert!(c.gpudirect(), "GPU {g}: within its NUMA node");
+    }
+    for (numa, nic) in [(0, "mlx5_0"), (1, "mlx5_1")] {
+        let c = m.nic_choice(HOST(numa), None);
+        assert_eq!((names(&c.nics), c.relation), (vec![nic], Relation::Node));
+    }
+    // An agent with only the other socket's NIC open: SYS, staged.
+    let c = m.nic_choice(GPU(0), Some(&["mlx5_1".to_string()]));
+    assert_eq!((c.relation, c.gpudirect()), (Relation::Sys, false));
+    assert_eq!(m.agent_nics(Some(&[1]), Some(0)), ["mlx5_0"]);
+    assert_eq!(m.agent_nics(Some(&[3]), Some(0)), ["mlx5_0", "mlx5_1"]);
+    assert_eq!(m.agent_nics(None, Some(1)), ["mlx5_0", "mlx5_1"]);
+}
+
+#[test]
+fn nic_choice_gh200_like_node_binds_its_gpu_and_host_memory_to_its_nic() {
+    let m = load("gh200-like.xml");
+    assert_eq!((m.gpus.len(), m.nics.len()), (1, 1));
+    assert_eq!(m.numa.len(), 2, "Grace's DRAM and the GPU's HBM");
+    assert_eq!(m.gpus[0].pci.address, "0009:01:00.0");
+    let c = m.nic_choice(GPU(0), None);
+    assert_eq!(
+        (names(&c.nics), c.relation),
+        (vec!["mlx5_0"], Relation::Node)
+    );
+    assert!(c.gpudirect());
+    assert_eq!(names(&m.nic_choice(HOST(0), None).nics), ["mlx5_0"]);
+    assert_eq!(m.agent_nics(None, m.numa_of_cpu(0)), ["mlx5_0"]);
+}
+
+#[test]
+fn nic_choice_software_nics_and_nic_less_machines_choose_nothing_to_open() {
+    // The development VM: no NIC at all.
+    let vm = load("this-vm.xml");
+    assert!(vm.agent_nics(None, Some(0)).is_empty());
+    let c = vm.nic_choice(GPU(0), None);
+    assert!(c.nics.is_empty());
+    // rxe devices the model does not place: every one ranks Unknown for GPU memory, so all
+    // are kept (equally unknown), and an agent keeps its configured device.
+    let open = ["rxe0".to_string(), "rxe1".to_string()];
+    let c = vm.nic_choice(GPU(0), Some(&open));
+    assert_eq!(
+        (names(&c.nics), c.relation),
+        (vec!["rxe0", "rxe1"], Relation::Unknown)
+    );
+    assert!(!c.gpudirect(), "unknown locality is not GPUDirect");
+    // The A100-like box keeps striping over the two NICs of each GPU's switch.
+    let a100 = load("dgx-a100-like.xml");
+    assert_eq!(
+        names(&a100.nic_choice(GPU(1), None).nics),
+        ["mlx5_1", "mlx5_0"]
+    );
+}

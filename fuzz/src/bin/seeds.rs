@@ -21,6 +21,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         rkey: 0x100 + id as u32,
         kind,
         rail_rkeys: [0x200 + id as u32, 0, 0, 0, 0, 0, 0],
+        bound: 0b01,
     };
     let full = AgentMetadata {
         name: "prefill-0".into(),
@@ -38,6 +39,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         partial: false,
         removed: vec![],
         grants: true,
+        nic: true,
     };
     let partial = AgentMetadata {
         partial: true,

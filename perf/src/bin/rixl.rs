@@ -4,6 +4,8 @@
 //! rixl info   # RDMA devices, ports, GIDs and limits; GPU backends available (CUDA, NVML)
 //! rixl topo   # GPU/NIC/NUMA matrix (like `nvidia-smi topo -m`) and the path rixl picks per memory
 //! rixl topo --xml FILE   # the same for another machine's hwloc XML export
+//! rixl topo --json [--nics mlx5_0,mlx5_1] [--gpus 0,1] [--cpu N]
+//!             # the NICs an agent opens and binds each memory location to, as JSON
 //! ```
 #![forbid(unsafe_code)]
 
@@ -99,13 +101,65 @@ fn info() -> Result<(), String> {
     Ok(())
 }
 
-fn topo(xml: Option<&Path>) -> Result<(), String> {
-    let m = match xml {
-        Some(f) => rixl::topology::hwloc::from_xml_file(f).map_err(|e| e.to_string())?,
-        None => rixl::nvlink::discover_machine(),
+fn topo(args: &TopoArgs) -> Result<(), String> {
+    let m = match (&args.xml, std::env::var_os("RIXL_TOPOLOGY_XML")) {
+        (Some(f), _) => rixl::topology::hwloc::from_xml_file(f).map_err(|e| e.to_string())?,
+        (None, Some(f)) => {
+            rixl::topology::hwloc::from_xml_file(Path::new(&f)).map_err(|e| e.to_string())?
+        }
+        (None, None) => rixl::nvlink::discover_machine(),
     };
-    print!("{}", topo_report(&m));
+    if args.json {
+        println!("{}", choice_json(&m, args));
+    } else {
+        print!("{}", topo_report(&m));
+    }
     Ok(())
+}
+
+/// What an agent on `m` opens and binds each memory location to (`Agent::nics`,
+/// `Agent::nic_choice`), as JSON.
+fn choice_json(m: &Machine, args: &TopoArgs) -> serde_json::Value {
+    let numa = m.numa_of_cpu(args.cpu);
+    let nics: Vec<String> = if args.nics.is_empty() {
+        m.agent_nics(args.gpus.as_deref().filter(|g| !g.is_empty()), numa)
+    } else {
+        args.nics.clone()
+    };
+    let mut locations: Vec<MemoryLocation> = m
+        .gpus
+        .iter()
+        .map(|g| MemoryLocation::Gpu { index: g.index })
+        .collect();
+    locations.extend(
+        m.numa
+            .iter()
+            .map(|n| MemoryLocation::Host { numa: Some(n.id) }),
+    );
+    if m.numa.is_empty() {
+        locations.push(MemoryLocation::Host { numa: None });
+    }
+    let choices: Vec<serde_json::Value> = locations
+        .into_iter()
+        .map(|loc| {
+            let c = m.nic_choice(loc, Some(&nics));
+            let memory = match loc {
+                MemoryLocation::Gpu { index } => serde_json::json!({ "gpu": index }),
+                MemoryLocation::Host { numa } => serde_json::json!({ "numa": numa }),
+            };
+            serde_json::json!({
+                "memory": memory,
+                "nics": c.nics,
+                "relation": c.relation.to_string(),
+                "gpudirect": c.gpudirect(),
+            })
+        })
+        .collect();
+    serde_json::json!({
+        "machine": m.host,
+        "nics": nics,
+        "choices": choices,
+    })
 }
 
 /// `nvidia-smi topo -m`-style matrix of GPUs and NICs, then the path rixl picks for each memory
@@ -282,17 +336,34 @@ enum Cli {
     /// RDMA devices, ports, GIDs and limits; GPU backends available (CUDA, NVML)
     Info,
     /// GPU/NIC/NUMA matrix (like `nvidia-smi topo -m`) and the path rixl picks per memory
-    Topo {
-        /// Report another machine from its hwloc XML export (`lstopo machine.xml`)
-        #[arg(long, value_name = "HWLOC-XML")]
-        xml: Option<PathBuf>,
-    },
+    Topo(TopoArgs),
+}
+
+#[derive(Debug, clap::Args)]
+struct TopoArgs {
+    /// Report another machine from its hwloc XML export (`lstopo machine.xml`; also
+    /// `RIXL_TOPOLOGY_XML`)
+    #[arg(long, value_name = "HWLOC-XML")]
+    xml: Option<PathBuf>,
+    /// Print, as JSON, the NICs an agent opens and the NICs it binds each GPU's and NUMA
+    /// node's memory to
+    #[arg(long)]
+    json: bool,
+    /// The NICs the agent has open (default: those it would choose itself)
+    #[arg(long, value_delimiter = ',')]
+    nics: Vec<String>,
+    /// The GPUs the agent serves, PCI-bus order (default: every GPU)
+    #[arg(long, value_delimiter = ',')]
+    gpus: Option<Vec<u32>>,
+    /// The agent's engine CPU (its NUMA node's NICs are opened)
+    #[arg(long, default_value_t = 0)]
+    cpu: u32,
 }
 
 fn main() {
     let r = match Cli::parse() {
         Cli::Info => info(),
-        Cli::Topo { xml } => topo(xml.as_deref()),
+        Cli::Topo(args) => topo(&args),
     };
     if let Err(e) = r {
         eprintln!("rixl: {e}");

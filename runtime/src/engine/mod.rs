@@ -190,6 +190,11 @@ impl Engine {
         self.inner.id
     }
 
+    /// The verbs device (NIC) this engine opened, by name (`mlx5_0`, `rxe0`).
+    pub fn device_name(&self) -> String {
+        self.inner.pd.context().name().to_string()
+    }
+
     /// The configuration.
     pub fn config(&self) -> &EngineConfig {
         &self.inner.cfg
@@ -296,6 +301,25 @@ impl Engine {
         let access = self.registration_access();
         let reg = glommio::executor()
             .spawn_blocking(move || rixl_gpudirect::GpuRegistration::register(&pd, mem, access))
+            .await?;
+        Ok(Region::gpu(reg, self.inner.id))
+    }
+
+    /// Registers GPU memory another engine registered too (multi-rail: one allocation, one
+    /// registration per NIC) with this engine's NIC. Runs off the core.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Gpu`] when neither registration path works.
+    pub async fn register_device_shared(
+        &self,
+        mem: Arc<rixl_gpudirect::DeviceMemory>,
+    ) -> Result<Region, RuntimeError> {
+        let pd = self.inner.pd.clone();
+        let access = self.registration_access();
+        let reg = glommio::executor()
+            .spawn_blocking(move || {
+                rixl_gpudirect::GpuRegistration::register_shared(&pd, mem, access)
+            })
             .await?;
         Ok(Region::gpu(reg, self.inner.id))
     }

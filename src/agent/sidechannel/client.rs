@@ -233,3 +233,27 @@ pub(in crate::agent) fn request_grants(
     )?;
     GrantKeys::decode(&decode_hex(&line)?)
 }
+
+/// Delivers notification `msg` to `peer`'s agent at `addr` on the side channel (an agent
+/// without a NIC, or a peer without one); returns once it is in the peer's stream.
+pub(in crate::agent) fn send_notification(
+    me: &Inner,
+    peer: &str,
+    addr: &str,
+    msg: &[u8],
+    deadline: Instant,
+) -> Result<(), AgentError> {
+    let line = exchange(
+        me,
+        addr,
+        Some(peer),
+        &format!("NOTIFY {}", hex::encode(msg)),
+        HELLO_MAX,
+        deadline,
+    )?;
+    if line == "OK" {
+        Ok(())
+    } else {
+        Err(sc(format!("unexpected notification reply {line:?}")))
+    }
+}

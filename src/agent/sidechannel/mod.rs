@@ -19,7 +19,9 @@
 //! Requests: `MD` → the metadata blob we grant the requester, hex; `CONNECT <endpoint hex>
 //! <rail> <generation>` → our endpoint hex and the requester's grant keys on the new
 //! connection, hex (see `grants`), or `ERR <reason>`; `GRANTS <rail> <qpn>` → the requester's
-//! grant keys on our connection whose queue pair is `qpn` (windows it lacks are bound first). The requester's generation (its
+//! grant keys on our connection whose queue pair is `qpn` (windows it lacks are bound first);
+//! `NOTIFY <message hex>` → `OK` once the notification is in our stream (agents without a NIC
+//! send their notifications this way). The requester's generation (its
 //! incarnation) tags the connection, so that when its new metadata arrives later only its old
 //! incarnation's connections are closed.
 //!
@@ -27,8 +29,8 @@
 //! task, never a thread, and gets no queue pair before it is authenticated. At most
 //! `max_side_channel_connections` are served at once (more wait in the kernel's accept queue
 //! until a slot frees: back-pressure, not refusal), each whole exchange within
-//! `connect_timeout`. A hello line may hold 1 KiB and a request 4 KiB, so a client that has not
-//! proved itself makes the server buffer at most 5 KiB (an oversized line gets `ERR message too
+//! `connect_timeout`. A hello line may hold 1 KiB and a request 8.25 KiB, so a client that has
+//! not proved itself makes the server buffer at most 9.25 KiB (an oversized line gets `ERR message too
 //! large` and the connection is closed); a client accepts a metadata reply of at most
 //! `max_control_message` bytes of blob.
 
@@ -52,9 +54,10 @@ use crate::verbs::Endpoint;
 const VERSION: &str = "RIXL1";
 /// The longest hello or challenge line.
 const HELLO_MAX: usize = 1024;
-/// The longest request line (a CONNECT is about 100 bytes): what a client that has not yet
-/// proved itself can make the server buffer, with its hello.
-const REQUEST_MAX: usize = 4096;
+/// The longest request line (a CONNECT is about 100 bytes, a NOTIFY with the largest
+/// notification in hex about 8 KiB): what a client that has not yet proved itself can make the
+/// server buffer, with its hello.
+const REQUEST_MAX: usize = 2 * super::notify::MAX_NOTIFICATION + 256;
 /// How often the accept loop looks whether the agent stopped.
 const STOP_POLL: Duration = Duration::from_millis(200);
 
@@ -205,6 +208,8 @@ pub(crate) enum Request<'a> {
     /// `GRANTS <rail> <qpn>`: the requester's keys on our connection on `rail` whose queue
     /// pair is `qpn`.
     Grants { rail: usize, qpn: u32 },
+    /// `NOTIFY <message hex>`: a notification from the requester.
+    Notify(Vec<u8>),
 }
 
 /// A request line.
@@ -231,6 +236,13 @@ pub(crate) fn parse_request(request: &str) -> Result<Request<'_>, AgentError> {
                 _ => Err(sc("bad rail or queue pair number")),
             }
         }
+        (Some("NOTIFY"), Some(msg), None, ..) => {
+            let msg = hex::decode(msg).map_err(|_| sc("bad notification hex"))?;
+            if msg.is_empty() || msg.len() > super::notify::MAX_NOTIFICATION {
+                return Err(AgentError::NotificationTooLarge(msg.len()));
+            }
+            Ok(Request::Notify(msg))
+        }
         _ => Err(sc("unknown request")),
     }
 }
@@ -238,5 +250,5 @@ pub(crate) fn parse_request(request: &str) -> Result<Request<'_>, AgentError> {
 mod client;
 mod server;
 
-pub(super) use client::{fetch_metadata, request_connection, request_grants};
+pub(super) use client::{fetch_metadata, request_connection, request_grants, send_notification};
 pub(super) use server::listen;

@@ -313,6 +313,10 @@ async fn answer(inner: &Arc<Inner>, requester: &str, request: &str) -> Result<St
                 .map_err(|e| sc(format!("grant task: {e}")))??;
             Ok(hex::encode(keys.encode()))
         }
+        Request::Notify(msg) => {
+            inner.deliver(requester, msg).await?;
+            Ok("OK".into())
+        }
     }
 }
 

@@ -104,6 +104,10 @@ pub struct Args {
     pub notify: Notify,
     pub engines: u32,
     pub cpu: Option<usize>,
+    /// The buffer in GPU memory (`--use_cuda[=ID]`): the GPU's CUDA ordinal.
+    pub use_cuda: Option<i32>,
+    /// The GPU buffer registered through dma-buf only (`--use_cuda_dmabuf`).
+    pub use_cuda_dmabuf: bool,
 }
 
 /// A perftest test's command line, as parsed (defaults that depend on the test still unset).
@@ -195,6 +199,13 @@ pub struct PerftestArgs {
     /// First CPU to pin engines to [default: client 0, server the last]
     #[arg(long = "cpu", value_name = "N", help_heading = "rixl options")]
     cpu: Option<usize>,
+    /// Use CUDA memory for the buffer, on GPU ID (GPUDirect RDMA; bandwidth tests)
+    #[arg(long = "use_cuda", value_name = "ID", num_args = 0..=1, require_equals = true,
+          default_missing_value = "0")]
+    use_cuda: Option<i32>,
+    /// Register the CUDA buffer through dma-buf only (implies --use_cuda)
+    #[arg(long = "use_cuda_dmabuf")]
+    use_cuda_dmabuf: bool,
     /// The server to connect to (none: be the server)
     #[arg(value_name = "SERVER_HOST")]
     server: Option<String>,
@@ -239,6 +250,8 @@ impl PerftestArgs {
             notify: self.notify,
             engines: self.engines,
             cpu: self.cpu,
+            use_cuda: self.use_cuda.or(self.use_cuda_dmabuf.then_some(0)),
+            use_cuda_dmabuf: self.use_cuda_dmabuf,
         }
     }
 }
@@ -298,9 +311,9 @@ where
         Cli::WriteBw(p) => Mode::Perf(p.resolve(Test::WriteBw)),
         Cli::ReadBw(p) => Mode::Perf(p.resolve(Test::ReadBw)),
         Cli::SendBw(p) => Mode::Perf(p.resolve(Test::SendBw)),
-        Cli::WriteLat(p) => Mode::Perf(p.resolve(Test::WriteLat)),
-        Cli::ReadLat(p) => Mode::Perf(p.resolve(Test::ReadLat)),
-        Cli::SendLat(p) => Mode::Perf(p.resolve(Test::SendLat)),
+        Cli::WriteLat(p) => Mode::Perf(cuda_bw_only(p.resolve(Test::WriteLat))?),
+        Cli::ReadLat(p) => Mode::Perf(cuda_bw_only(p.resolve(Test::ReadLat))?),
+        Cli::SendLat(p) => Mode::Perf(cuda_bw_only(p.resolve(Test::SendLat))?),
         Cli::Sweep(w) => {
             w.check().map_err(|m| usage_error("sweep", m))?;
             Mode::Sweep(w)
@@ -310,6 +323,18 @@ where
             Mode::File(f)
         }
     })
+}
+
+/// Refuses `--use_cuda` for a latency test: those spin on a byte of the buffer from the CPU,
+/// which GPU memory is not.
+fn cuda_bw_only(a: Args) -> Result<Args, clap::Error> {
+    if a.use_cuda.is_some() {
+        return Err(usage_error(
+            a.test.name(),
+            "--use_cuda: bandwidth tests only (a latency test spins on a byte of its buffer from the CPU)",
+        ));
+    }
+    Ok(a)
 }
 
 /// A usage error of subcommand `sub` (clap's format: the message, then the usage line).
@@ -405,6 +430,16 @@ mod tests {
         let a = p("write_bw -a").expect("ok");
         assert_eq!(a.sizes.len(), 23);
         assert_eq!((a.sizes[0], a.sizes[22]), (2, 8 << 20));
+        // perftest's CUDA flags: the buffer on a GPU, dma-buf only with --use_cuda_dmabuf.
+        assert_eq!(p("write_bw --use_cuda").expect("ok").use_cuda, Some(0));
+        let a = p("read_bw --use_cuda=3 h").expect("ok");
+        assert_eq!((a.use_cuda, a.use_cuda_dmabuf), (Some(3), false));
+        let a = p("write_bw --use_cuda_dmabuf").expect("ok");
+        assert_eq!((a.use_cuda, a.use_cuda_dmabuf), (Some(0), true));
+        assert_eq!(p("write_bw").expect("ok").use_cuda, None);
+        assert!(p("write_bw --use_cuda=x").is_err());
+        let e = p("write_lat --use_cuda").expect_err("latency tests spin on a host byte");
+        assert!(e.contains("bandwidth tests only"), "{e}");
         let e = p("write_bw --bogus").expect_err("unknown");
         assert!(e.contains("unknown option --bogus"), "{e}");
         assert!(p("frobnicate").is_err());

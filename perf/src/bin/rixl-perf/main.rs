@@ -48,6 +48,26 @@ fn ping_value(i: u64) -> u8 {
 
 /// Registered bytes for messages up to `max_size`: a source area and, in the upper half, the
 /// landing area the peer's ping-pong WRITEs go to.
+/// The test's buffer: host memory, or GPU memory with `--use_cuda` (registered for GPUDirect
+/// RDMA, through dma-buf only with `--use_cuda_dmabuf`).
+async fn buffer(engine: &Engine, len: usize, a: &Args) -> Res<rixl::runtime::Region> {
+    let Some(gpu) = a.use_cuda else {
+        return engine.register(len).await.map_err(s);
+    };
+    let region = engine
+        .register_gpu(gpu, len)
+        .await
+        .map_err(|e| format!("--use_cuda={gpu}: {e}"))?;
+    let kind = region.gpu_registration().map(|g| g.kind());
+    if a.use_cuda_dmabuf && kind != Some(rixl::gpudirect::RegistrationKind::DmaBuf) {
+        return Err(format!(
+            "--use_cuda_dmabuf: GPU {gpu} memory was registered as {kind:?}, not through dma-buf"
+        ));
+    }
+    eprintln!("rixl-perf: buffer of {len} bytes on GPU {gpu}, registered {kind:?}");
+    Ok(region)
+}
+
 fn region_len(max_size: u64) -> usize {
     2 * max_size.max(4096) as usize
 }
@@ -159,10 +179,7 @@ async fn server(a: Args) -> Res<()> {
     let conns_total = hello.qps * hello.engines;
     let cfg = engine_config(&a, a.test, hello.max_size, hello.tx_depth, conns_total);
     let engine = Engine::open(cfg).await.map_err(s)?;
-    let region = engine
-        .register(region_len(hello.max_size))
-        .await
-        .map_err(s)?;
+    let region = buffer(&engine, region_len(hello.max_size), &a).await?;
     let mut all: Vec<(ConnId, RemoteDesc)> = Vec::new();
     for o in &mut streams {
         let theirs = connect_side(&engine, &region, o, hello.qps, true).await?;
@@ -331,7 +348,7 @@ async fn client_setup(a: &Args, host: &str, max_size: u64) -> Res<ClientSide> {
     )?;
     let cfg = engine_config(a, a.test, max_size, a.tx_depth, a.qps);
     let engine = Engine::open(cfg).await.map_err(s)?;
-    let region = engine.register(region_len(max_size)).await.map_err(s)?;
+    let region = buffer(&engine, region_len(max_size), a).await?;
     let conns = connect_side(&engine, &region, &mut oob, a.qps, false).await?;
     Ok(ClientSide {
         engine,
