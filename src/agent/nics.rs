@@ -268,8 +268,11 @@ impl Agent {
         self.inner.nics.machine.nic_choice(location, Some(&open))
     }
 
-    /// The NICs `reg`'s transfers go on (`None`: released).
+    /// The NICs `reg`'s transfers go on (`None`: another agent's registration).
     pub fn binding(&self, reg: &Registration) -> Option<NicBinding> {
+        if !reg.belongs_to(&self.inner) {
+            return None;
+        }
         self.inner
             .regs
             .load()
@@ -282,9 +285,12 @@ impl Agent {
     /// metadata they load.
     ///
     /// # Errors
-    /// [`AgentError::UnknownLocalRegion`] for a released registration;
+    /// [`AgentError::UnknownLocalRegion`] for another agent's registration;
     /// [`AgentError::UnknownNic`] for a NIC this agent did not open.
     pub fn bind(&self, reg: &Registration, bind: Bind) -> Result<NicBinding, AgentError> {
+        if !reg.belongs_to(&self.inner) {
+            return Err(AgentError::UnknownLocalRegion(reg.id()));
+        }
         let regs = self.inner.regs.load();
         let cur = regs
             .get(&reg.id())

@@ -143,6 +143,11 @@ impl Registration {
         &self.inner.region
     }
 
+    /// Whether it is a registration of the agent `agent`.
+    pub(crate) fn belongs_to(&self, agent: &Arc<Inner>) -> bool {
+        std::ptr::eq(self.inner.agent.as_ptr(), Arc::as_ptr(agent))
+    }
+
     /// Releases the registration: peers can no longer address it (it leaves this agent's
     /// metadata at once) and the future resolves when nothing uses it any more and its memory
     /// regions are deregistered, so the owner of the memory may free it (memory the
