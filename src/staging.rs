@@ -100,6 +100,45 @@ pub trait Copier: Send + Sync + 'static {
     /// # Errors
     /// [`StagingError::Copy`].
     fn host_to_device(&self, src: &[u8], region: &Region, offset: u64) -> Result<(), StagingError>;
+
+    /// Copies `len` bytes at `offset` of `region` into host region `dst` at `dst_offset` (a
+    /// registered bounce slot of staged RDMA). By default through a temporary buffer;
+    /// [`RegionCopier`] copies once.
+    ///
+    /// # Errors
+    /// [`StagingError::Copy`].
+    fn device_to_region(
+        &self,
+        region: &Region,
+        offset: u64,
+        dst: &Region,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<(), StagingError> {
+        let mut tmp = vec![0u8; len as usize];
+        self.device_to_host(region, offset, &mut tmp)?;
+        dst.write_at(dst_offset, &tmp)
+            .map_err(|e| copy_error(dst, dst_offset, tmp.len(), e))
+    }
+
+    /// Copies `len` bytes at `src_offset` of host region `src` (a bounce slot) into `region` at
+    /// `offset`. By default through a temporary buffer; [`RegionCopier`] copies once.
+    ///
+    /// # Errors
+    /// [`StagingError::Copy`].
+    fn region_to_device(
+        &self,
+        src: &Region,
+        src_offset: u64,
+        region: &Region,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), StagingError> {
+        let mut tmp = vec![0u8; len as usize];
+        src.read_at(src_offset, &mut tmp)
+            .map_err(|e| copy_error(src, src_offset, tmp.len(), e))?;
+        self.host_to_device(&tmp, region, offset)
+    }
 }
 
 /// The region's own copy: `cuMemcpy` for GPU memory, `memcpy` for host memory.
@@ -137,6 +176,31 @@ impl Copier for RegionCopier {
         region
             .write_at(offset, src)
             .map_err(|e| copy_error(region, offset, src.len(), e))
+    }
+
+    fn device_to_region(
+        &self,
+        region: &Region,
+        offset: u64,
+        dst: &Region,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<(), StagingError> {
+        region
+            .copy_to(offset, dst, dst_offset, len)
+            .map_err(|e| copy_error(region, offset, len as usize, e))
+    }
+
+    fn region_to_device(
+        &self,
+        src: &Region,
+        src_offset: u64,
+        region: &Region,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), StagingError> {
+        src.copy_to(src_offset, region, offset, len)
+            .map_err(|e| copy_error(region, offset, len as usize, e))
     }
 }
 

@@ -313,6 +313,57 @@ impl DeviceMemory {
         })
     }
 
+    /// Copies `len` device bytes at `offset` into host buffer `dst` at `dst_offset`, with one
+    /// synchronous `cuMemcpyDtoH` (a staging copy into pinned or NIC-registered memory).
+    ///
+    /// # Errors
+    /// As [`Self::write`], and [`Error::InvalidArgument`] outside `dst`.
+    pub fn read_into(
+        &self,
+        offset: usize,
+        dst: &rixl_verbs::HostBuffer,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<(), Error> {
+        self.range(offset, len)?;
+        host_range(dst, dst_offset, len)?;
+        self.gpu.bind()?;
+        // SAFETY: the source range lies inside the live allocation and the destination range
+        // inside `dst`'s (both checked); `dst` is borrowed for the call, so it stays mapped.
+        check("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(
+                dst.as_ptr().add(dst_offset).cast(),
+                self.ptr + offset as u64,
+                len,
+            )
+        })
+    }
+
+    /// Copies `len` bytes at `src_offset` of host buffer `src` to the device at `offset`, with
+    /// one synchronous `cuMemcpyHtoD`.
+    ///
+    /// # Errors
+    /// As [`Self::read_into`].
+    pub fn write_from(
+        &self,
+        offset: usize,
+        src: &rixl_verbs::HostBuffer,
+        src_offset: usize,
+        len: usize,
+    ) -> Result<(), Error> {
+        self.range(offset, len)?;
+        host_range(src, src_offset, len)?;
+        self.gpu.bind()?;
+        // SAFETY: as in `read_into`, with source and destination swapped.
+        check("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(
+                self.ptr + offset as u64,
+                src.as_ptr().add(src_offset).cast(),
+                len,
+            )
+        })
+    }
+
     /// Copies all of `src` (same length or shorter) to the start of `self`, synchronously
     /// (`cuMemcpyDtoD`, the plain CUDA baseline).
     ///
@@ -539,5 +590,16 @@ mod tests {
         mem.read(0, &mut back).expect("read");
         assert!(back == pattern);
         assert_eq!(mem.dmabuf_offset(), 0);
+    }
+}
+
+/// Checks that `offset..offset + len` lies inside `buf`.
+fn host_range(buf: &rixl_verbs::HostBuffer, offset: usize, len: usize) -> Result<(), Error> {
+    match offset.checked_add(len) {
+        Some(end) if end <= buf.len() => Ok(()),
+        _ => Err(Error::InvalidArgument(format!(
+            "range {offset}+{len} outside {} bytes of host memory",
+            buf.len()
+        ))),
     }
 }

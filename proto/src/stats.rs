@@ -37,6 +37,9 @@ pub struct TransferStats {
     pub post: Duration,
     /// Total time of the future.
     pub total: Duration,
+    /// Bytes that went through host memory (staged RDMA: GPU memory without GPUDirect, or a
+    /// registration marked staged), copied on the way.
+    pub staged_bytes: u64,
 }
 
 impl TransferStats {

@@ -341,6 +341,36 @@ impl Region {
         }
     }
 
+    /// Copies `len` bytes at `offset` of this region into `dst` at `dst_offset`, with one copy:
+    /// `cuMemcpy` between GPU and host memory, `memcpy` between host memories (a staging copy
+    /// into or out of a bounce buffer).
+    ///
+    /// # Errors
+    /// If a range is outside its region, for two GPU regions, or the driver's error.
+    pub fn copy_to(
+        &self,
+        offset: u64,
+        dst: &Region,
+        dst_offset: u64,
+        len: u64,
+    ) -> Result<(), rixl_verbs::Error> {
+        let big = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+        let (off, dst_off, n) = (big(offset), big(dst_offset), big(len));
+        match (
+            self.gpu_memory(),
+            dst.gpu_memory(),
+            self.host_memory(),
+            dst.host_memory(),
+        ) {
+            (Some(g), None, _, Some(h)) => g.read_into(off, h, dst_off, n).map_err(gpu_err),
+            (None, Some(g), Some(h), _) => g.write_from(dst_off, h, off, n).map_err(gpu_err),
+            (None, None, Some(a), Some(b)) => a.copy_to(off, b, dst_off, n),
+            _ => Err(rixl_verbs::Error::InvalidArgument(
+                "a staging copy needs host memory on one side".into(),
+            )),
+        }
+    }
+
     /// Copies bytes at `offset` out of the region.
     ///
     /// # Errors

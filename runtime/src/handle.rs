@@ -392,6 +392,32 @@ impl EngineHandle {
         .unwrap_or_else(lost)
     }
 
+    /// `len` bytes on GPU `ordinal` registered with no NIC (for CUDA IPC, copies and host-staged
+    /// RDMA: what GPU memory is when GPUDirect RDMA is unavailable). Allocated off the core.
+    ///
+    /// # Errors
+    /// [`RuntimeError::Gpu`] without CUDA or for a bad ordinal; [`RuntimeError::EngineGone`] or
+    /// [`RuntimeError::EnginePanic`].
+    pub async fn gpu_unregistered(&self, ordinal: i32, len: usize) -> Result<Region, RuntimeError> {
+        self.on_core(move |s| async move {
+            glommio::executor()
+                .spawn_blocking(move || {
+                    let gpu = rixl_gpudirect::Gpu::open(ordinal)?;
+                    rixl_gpudirect::DeviceMemory::alloc(&gpu, len)
+                })
+                .await
+                .map(|m| Region::device(m, s.id))
+                .map_err(RuntimeError::from)
+        })
+        .await
+        .unwrap_or_else(lost)
+    }
+
+    /// The caller's GPU memory as a region of this core registered with no NIC.
+    pub fn device_unregistered(&self, mem: rixl_gpudirect::DeviceMemory) -> Region {
+        Region::device(mem, self.id)
+    }
+
     /// See [`Engine::register_device_shared`]; [`RuntimeError::NoNic`] on a core without a NIC.
     ///
     /// # Errors

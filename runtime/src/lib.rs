@@ -18,7 +18,8 @@ pub mod rails;
 mod supervise;
 
 pub use desc::{
-    LocalDesc, LocalDescList, Op, Region, RemoteDesc, RemoteDescList, SharedMr, WeakMr,
+    split_stream, LocalDesc, LocalDescList, Op, Region, RemoteDesc, RemoteDescList, SharedMr,
+    WeakMr,
 };
 pub use engine::{
     Access, ConnId, DescriptorRanges, Engine, EngineConfig, EngineCounters, Grant, GrantSpec,

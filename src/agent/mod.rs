@@ -28,6 +28,7 @@ pub(crate) mod registry;
 mod requests;
 pub(crate) mod sidechannel;
 mod snapshot;
+mod staged;
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -53,6 +54,7 @@ pub use notify::{Notification, Notifications, MAX_NOTIFICATION, NOTIFICATION_QUE
 pub use registry::{FileRegistration, MemoryInfo, Registration, RegistrationCounters, Released};
 pub use requests::{PreparedLocal, PreparedRemote, TransferRequest};
 pub use sidechannel::SideChannelCounters;
+pub use staged::{StagingCounters, STAGE_CHUNK, STAGE_SLOTS};
 
 pub(crate) struct Inner {
     name: String,
@@ -102,6 +104,9 @@ pub(crate) struct Inner {
     objects: std::sync::OnceLock<Arc<crate::object::Runtime>>,
     /// The machine model and each rail's NIC: what registrations are bound by.
     nics: nics::Nics,
+    /// Host-staged RDMA's registered slots (made on first use) and counters.
+    stage_area: Mutex<Option<Arc<staged::StageArea>>>,
+    staging: Mutex<StagingCounters>,
 }
 
 /// The side channel's bounds ([`AgentConfig::max_side_channel_connections`],
@@ -242,6 +247,8 @@ impl Agent {
                 nic_grants: cfg.nic_grants,
                 grants: Default::default(),
                 objects: std::sync::OnceLock::new(),
+                stage_area: Mutex::new(None),
+                staging: Mutex::new(StagingCounters::default()),
                 nics: nics::Nics {
                     names,
                     machine,

@@ -39,6 +39,8 @@ pub(crate) struct Reg {
     pub export: Option<VramExport>,
     /// The NICs its transfers prefer.
     pub binding: super::nics::NicBinding,
+    /// Its transfers go through host memory, copied by this ([`Agent::set_staged`]).
+    pub staged: Option<super::staged::StagedCopier>,
 }
 
 /// Registrations by id.
@@ -326,13 +328,15 @@ impl Agent {
         len: usize,
         visibility: Visibility,
     ) -> Result<Registration, AgentError> {
-        let region = self
-            .inner
-            .rails
-            .engine(0)
-            .register_gpu(ordinal, len)
-            .await?;
-        self.add_vram(region, visibility).await
+        let engine = self.inner.rails.engine(0);
+        match engine.register_gpu(ordinal, len).await {
+            Ok(region) => self.add_vram(region, visibility).await,
+            Err(RuntimeError::Gpu(e @ crate::gpudirect::Error::Register { .. })) => {
+                let region = engine.gpu_unregistered(ordinal, len).await?;
+                self.add_staged_vram(region, visibility, &e).await
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Registers GPU memory the caller already owns (its allocator's), visible per
@@ -352,8 +356,42 @@ impl Agent {
         mem: crate::gpudirect::DeviceMemory,
         visibility: Visibility,
     ) -> Result<Registration, AgentError> {
-        let region = self.inner.rails.engine(0).register_device(mem).await?;
-        self.add_vram(region, visibility).await
+        let engine = self.inner.rails.engine(0);
+        if !engine.has_nic() {
+            let region = engine.register_device(mem).await?;
+            return self.add_vram(region, visibility).await;
+        }
+        let mem = Arc::new(mem);
+        match engine.register_device_shared(Arc::clone(&mem)).await {
+            Ok(region) => self.add_vram(region, visibility).await,
+            Err(RuntimeError::Gpu(e @ crate::gpudirect::Error::Register { .. })) => {
+                // The failed attempt dropped its handle: the memory is the caller's again.
+                let mem = Arc::try_unwrap(mem).map_err(|_| {
+                    AgentError::Runtime(RuntimeError::Gpu(
+                        crate::gpudirect::Error::InvalidArgument(
+                            "GPU memory still shared after a failed registration".into(),
+                        ),
+                    ))
+                })?;
+                let region = engine.device_unregistered(mem);
+                self.add_staged_vram(region, visibility, &e).await
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// GPU memory the NIC refused (no GPUDirect RDMA: neither dma-buf nor nvidia-peermem): kept
+    /// without a NIC registration and staged through host memory ([`Agent::set_staged`]).
+    async fn add_staged_vram(
+        &self,
+        region: Region,
+        visibility: Visibility,
+        refused: &crate::gpudirect::Error,
+    ) -> Result<Registration, AgentError> {
+        tracing::warn!(agent = %self.inner.name, error = %refused, "GPUDirect RDMA unavailable: GPU memory staged through host memory");
+        let reg = self.add_vram(region, visibility).await?;
+        self.set_staged(&reg, true, None)?;
+        Ok(reg)
     }
 
     /// A VRAM region registered, with its CUDA IPC export when it can have one, and the same
@@ -385,6 +423,7 @@ impl Agent {
             });
         Ok(self.add_registration(Reg {
             binding: self.inner.bind_new(&region),
+            staged: None,
             region,
             rails,
             visibility,
@@ -434,6 +473,7 @@ impl Agent {
             let region = engines[0].unregistered(mem);
             return Ok(self.add_registration(Reg {
                 binding: self.inner.bind_new(&region),
+                staged: None,
                 region,
                 rails: Vec::new(),
                 visibility,
@@ -474,6 +514,7 @@ impl Agent {
         let region = regions.remove(0);
         Ok(self.add_registration(Reg {
             binding: self.inner.bind_new(&region),
+            staged: None,
             region,
             rails: regions,
             visibility,
@@ -538,6 +579,7 @@ impl Agent {
             let region = engines[0].register(len).await?;
             return Ok(self.add_registration(Reg {
                 binding: self.inner.bind_new(&region),
+                staged: None,
                 region,
                 rails: Vec::new(),
                 visibility,
@@ -555,6 +597,7 @@ impl Agent {
         }
         Ok(self.add_registration(Reg {
             binding: self.inner.bind_new(&region),
+            staged: None,
             region,
             rails,
             visibility,

@@ -301,7 +301,7 @@ impl Agent {
     }
 
     #[allow(clippy::too_many_arguments)]
-    async fn post_on(
+    pub(crate) async fn post_on(
         &self,
         p: &Peer,
         peer: &str,
@@ -328,6 +328,10 @@ impl Agent {
                 self.notify_by(peer, msg, deadline).await?;
             }
             return Ok(st);
+        }
+        if let Some(copier) = self.staged_copier(&local) {
+            return Box::pin(self.post_staged(p, peer, op, local, remote, opts, deadline, copier))
+                .await;
         }
         let conn = link::ensure(&self.inner, peer, 0, Some(deadline)).await?;
         // The set-up may have loaded the peer's new metadata (it restarted): the descriptors

@@ -231,6 +231,42 @@ impl HostBuffer {
         Ok(())
     }
 
+    /// Copies `len` bytes at `offset` of this buffer into `dst` at `dst_offset` (a staging copy:
+    /// one `memcpy`, through raw pointers, no reference to either buffer formed).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if either range is outside its buffer, or the two overlap in
+    /// one buffer.
+    pub fn copy_to(
+        &self,
+        offset: usize,
+        dst: &HostBuffer,
+        dst_offset: usize,
+        len: usize,
+    ) -> Result<()> {
+        self.check_range(offset, len)?;
+        dst.check_range(dst_offset, len)?;
+        let (src, to) = (
+            self.addr() as usize + offset,
+            dst.addr() as usize + dst_offset,
+        );
+        if src < to + len && to < src + len {
+            return Err(Error::InvalidArgument(format!(
+                "copy of {len} bytes from {src:#x} to {to:#x} overlaps"
+            )));
+        }
+        // SAFETY: both ranges lie inside live allocations (checked) and do not overlap
+        // (checked); concurrent DMA access is the caller's protocol concern, as in `write_at`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                dst.ptr.as_ptr().add(dst_offset),
+                len,
+            )
+        };
+        Ok(())
+    }
+
     /// Reads the byte at `offset` with an acquire load: a flag a peer's RDMA WRITE sets. Once it
     /// reads the flag's new value, bytes the same peer wrote earlier on the same RC connection are
     /// visible too (RC places WRITEs in order; perftest's `write_lat` relies on the same).

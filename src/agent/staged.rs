@@ -1,0 +1,391 @@
+//! Host-staged RDMA: memory the NIC cannot reach directly (GPU memory without GPUDirect RDMA,
+//! or a registration [`Agent::set_staged`] marked) moves through a registered host staging area.
+//!
+//! A transfer's byte stream is cut into chunks of [`STAGE_CHUNK`] bytes. Each chunk takes one
+//! of [`STAGE_SLOTS`] slots of the staging area (a DRAM registration of the agent, visible to
+//! no peer), and:
+//! - WRITE: the copy leg copies the chunk's pieces into the slot, then the slot goes out by RDMA;
+//! - READ: the slot is filled by RDMA, then the copy leg copies it into the chunk's pieces.
+//!
+//! Up to [`STAGE_SLOTS`] chunks are in flight at once, so one chunk's copy overlaps another's
+//! RDMA, and memory stays bounded by the area. Copies run on blocking threads of the agent's
+//! I/O runtime, never on an engine core or the caller's executor.
+//!
+//! Staged memory is reachable by this agent's own transfers; peers reach it by CUDA IPC only
+//! (it has no NIC registration), so the side that has it initiates (READ rather than be
+//! written).
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+
+use crate::runtime::{split_stream, LocalDescList, Op, RemoteDescList, TransferStats};
+use crate::staging::{Copier, RegionCopier, StagingError};
+
+use super::config::Visibility;
+use super::handle::CallOptions;
+use super::peers::Peer;
+use super::snapshot::lock;
+use super::{Agent, AgentError, Registration};
+
+/// Bytes per chunk of a staged transfer (one slot of the staging area).
+pub const STAGE_CHUNK: u64 = 4 << 20;
+/// Slots of the staging area: chunks in flight at once.
+pub const STAGE_SLOTS: usize = 4;
+
+/// A staged registration's copy leg.
+#[derive(Clone)]
+pub(crate) struct StagedCopier(pub Arc<dyn Copier>);
+
+impl std::fmt::Debug for StagedCopier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("StagedCopier")
+    }
+}
+
+/// What staged RDMA has done ([`Agent::staging_counters`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StagingCounters {
+    /// Staged transfers that completed.
+    pub transfers: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Chunks moved.
+    pub chunks: u64,
+    /// Time spent copying, summed over chunks.
+    pub copy_time: Duration,
+    /// Time spent on the wire (RDMA), summed over chunks.
+    pub wire_time: Duration,
+    /// Wall time of the staged transfers: less than `copy_time + wire_time` when copies overlap
+    /// the wire.
+    pub wall_time: Duration,
+    /// The most slots in use at once (never more than [`STAGE_SLOTS`]).
+    pub slots_high_water: usize,
+}
+
+/// The registered staging area and its free slots.
+pub(crate) struct StageArea {
+    reg: Registration,
+    free: Mutex<Vec<usize>>,
+    permits: tokio::sync::Semaphore,
+    /// A slot's RDMA ended without completing (failed or dropped): the NIC may still touch it
+    /// until its connection flushes, so it is never handed out again, and the next staged
+    /// transfer makes a new area. The old one stays registered while its in-flight work holds
+    /// it (the in-flight table keeps the memory).
+    retired: std::sync::atomic::AtomicBool,
+}
+
+impl std::fmt::Debug for StageArea {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StageArea").field("reg", &self.reg).finish()
+    }
+}
+
+/// A slot, given back when dropped, unless its RDMA did not complete.
+struct Slot<'a> {
+    area: &'a StageArea,
+    index: usize,
+    permit: Option<tokio::sync::SemaphorePermit<'a>>,
+    /// Its RDMA was posted and has not completed.
+    wire_pending: bool,
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        if self.wire_pending {
+            self.area
+                .retired
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            if let Some(p) = self.permit.take() {
+                p.forget();
+            }
+            tracing::warn!(
+                slot = self.index,
+                "staged RDMA ended before its work completed: staging area retired"
+            );
+        } else {
+            lock(&self.area.free).push(self.index);
+        }
+    }
+}
+
+impl StageArea {
+    /// A free slot, waited for until `deadline`.
+    async fn slot(&self, deadline: Instant) -> Result<Slot<'_>, AgentError> {
+        let wait = deadline.saturating_duration_since(Instant::now());
+        let acquired =
+            futures_lite::future::or(async { Some(self.permits.acquire().await) }, async {
+                futures_timer::Delay::new(wait).await;
+                None
+            })
+            .await;
+        let permit = match acquired {
+            Some(p) => p.map_err(|_| AgentError::Staging(StagingError::Closed))?,
+            None => {
+                return Err(AgentError::Transfer(
+                    crate::runtime::TransferError::Timeout(wait),
+                ))
+            }
+        };
+        let index = lock(&self.free)
+            .pop()
+            .ok_or(AgentError::Staging(StagingError::Closed))?;
+        Ok(Slot {
+            area: self,
+            index,
+            permit: Some(permit),
+            wire_pending: false,
+        })
+    }
+
+    fn in_use(&self) -> usize {
+        STAGE_SLOTS - self.permits.available_permits()
+    }
+}
+
+/// One chunk's timings.
+#[derive(Debug, Default, Clone, Copy)]
+struct ChunkTimes {
+    copy: Duration,
+    wire: Duration,
+}
+
+impl Agent {
+    /// Marks `reg` staged: its transfers go through the host staging area, copied by `copier`
+    /// (`None`: the region's own copy, `cuMemcpy` for GPU memory), or direct again with
+    /// `staged = false`. GPU memory the NIC refused (no GPUDirect RDMA) is staged from its
+    /// registration on.
+    ///
+    /// # Errors
+    /// [`AgentError::UnknownLocalRegion`] for another agent's registration.
+    pub fn set_staged(
+        &self,
+        reg: &Registration,
+        staged: bool,
+        copier: Option<Arc<dyn Copier>>,
+    ) -> Result<(), AgentError> {
+        if !reg.belongs_to(&self.inner) {
+            return Err(AgentError::UnknownLocalRegion(reg.id()));
+        }
+        let id = reg.id();
+        let copier = staged.then(|| StagedCopier(copier.unwrap_or_else(|| Arc::new(RegionCopier))));
+        tracing::info!(agent = %self.inner.name, region = id, staged, "registration staging set");
+        self.inner.regs.update(move |regs| {
+            if let Some(r) = regs.get(&id) {
+                let mut new = (**r).clone();
+                new.staged = copier;
+                regs.insert(id, Arc::new(new));
+            }
+        });
+        Ok(())
+    }
+
+    /// Whether `reg`'s transfers go through host memory.
+    pub fn is_staged(&self, reg: &Registration) -> bool {
+        reg.belongs_to(&self.inner)
+            && self
+                .inner
+                .regs
+                .load()
+                .get(&reg.id())
+                .is_some_and(|r| r.staged.is_some())
+    }
+
+    /// What staged RDMA has done.
+    pub fn staging_counters(&self) -> StagingCounters {
+        *lock(&self.inner.staging)
+    }
+
+    /// The copy leg of `local` if any of its regions is staged.
+    pub(crate) fn staged_copier(&self, local: &LocalDescList) -> Option<Arc<dyn Copier>> {
+        let regs = self.inner.regs.load();
+        if regs.values().all(|r| r.staged.is_none()) {
+            return None;
+        }
+        local.regions().iter().find_map(|r0| {
+            regs.values()
+                .find(|g| g.region.same(r0))
+                .and_then(|g| g.staged.as_ref())
+                .map(|c| Arc::clone(&c.0))
+        })
+    }
+
+    /// The staging area, registered on first use (and again after one was retired).
+    async fn stage_area(&self) -> Result<Arc<StageArea>, AgentError> {
+        {
+            let mut cur = lock(&self.inner.stage_area);
+            match cur.as_ref() {
+                Some(a) if a.retired.load(std::sync::atomic::Ordering::SeqCst) => *cur = None,
+                Some(a) => return Ok(Arc::clone(a)),
+                None => {}
+            }
+        }
+        let reg = self
+            .register(
+                (STAGE_CHUNK as usize) * STAGE_SLOTS,
+                Visibility::Only(Vec::new()),
+            )
+            .await?;
+        let area = Arc::new(StageArea {
+            reg,
+            free: Mutex::new((0..STAGE_SLOTS).rev().collect()),
+            permits: tokio::sync::Semaphore::new(STAGE_SLOTS),
+            retired: std::sync::atomic::AtomicBool::new(false),
+        });
+        // A concurrent first use may have made one too: the first one made is kept.
+        Ok(Arc::clone(lock(&self.inner.stage_area).get_or_insert(area)))
+    }
+
+    /// A transfer whose local memory is staged: chunk by chunk through the staging area, up to
+    /// [`STAGE_SLOTS`] chunks at once; the notification (if any) after every chunk.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn post_staged(
+        &self,
+        p: &Peer,
+        peer: &str,
+        op: Op,
+        local: LocalDescList,
+        remote: RemoteDescList,
+        opts: &CallOptions,
+        deadline: Instant,
+        copier: Arc<dyn Copier>,
+    ) -> Result<TransferStats, AgentError> {
+        let t0 = Instant::now();
+        let total = local.total_len();
+        if total != remote.total_len() {
+            return Err(AgentError::Transfer(
+                crate::runtime::TransferError::InvalidDescriptor(
+                    crate::runtime::InvalidDescriptor::LengthMismatch {
+                        local: total,
+                        remote: remote.total_len(),
+                    },
+                ),
+            ));
+        }
+        let area = self.stage_area().await?;
+        let rt = self.object_runtime()?;
+        let chunks = total.div_ceil(STAGE_CHUNK).max(1) as usize;
+        let parts = split_stream(&local, &remote, chunks, STAGE_CHUNK);
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            tracing::debug!(agent = %self.inner.name, %peer, ?op, bytes = total, chunks, "staged transfer through host memory");
+        }
+        let inner_opts = CallOptions {
+            notification: None,
+            ..opts.clone()
+        };
+        let high = std::sync::atomic::AtomicUsize::new(0);
+        // After a failure no new chunk starts; those in flight finish (their slots are then
+        // free to reuse, or retired if their RDMA did not complete).
+        let failed = std::sync::atomic::AtomicBool::new(false);
+        let legs = futures_util::stream::iter(parts).map(|(l, r)| {
+            let (area, rt, copier, inner_opts, high, failed) =
+                (&area, &rt, &copier, &inner_opts, &high, &failed);
+            async move {
+                if failed.load(std::sync::atomic::Ordering::SeqCst) {
+                    return Ok(None);
+                }
+                let mut slot = area.slot(deadline).await?;
+                high.fetch_max(area.in_use(), std::sync::atomic::Ordering::Relaxed);
+                let base = slot.index as u64 * STAGE_CHUNK;
+                let len = l.total_len();
+                let mut bounce = LocalDescList::with_capacity(1);
+                bounce.push(area.reg.region(), base, len);
+                let mut times = ChunkTimes::default();
+                let copy = |dir: Op| {
+                    let (copier, l, slot_region) =
+                        (Arc::clone(copier), l.clone(), area.reg.region().clone());
+                    async move {
+                        let c0 = Instant::now();
+                        let job = move || {
+                            let mut at = base;
+                            for d in l.descs() {
+                                let region = &l.regions()[d.region as usize];
+                                match dir {
+                                    Op::Write => copier.device_to_region(
+                                        region,
+                                        d.offset,
+                                        &slot_region,
+                                        at,
+                                        d.len,
+                                    )?,
+                                    _ => copier.region_to_device(
+                                        &slot_region,
+                                        at,
+                                        region,
+                                        d.offset,
+                                        d.len,
+                                    )?,
+                                }
+                                at += d.len;
+                            }
+                            Ok::<(), StagingError>(())
+                        };
+                        let r = rt
+                            .spawn(async move { tokio::task::spawn_blocking(job).await })
+                            .await
+                            .ok_or(AgentError::Stopped)?
+                            .map_err(|e| AgentError::Staging(StagingError::CopyThread(e)))?;
+                        r.map_err(AgentError::Staging)?;
+                        Ok::<Duration, AgentError>(c0.elapsed())
+                    }
+                };
+                if op == Op::Write {
+                    times.copy = copy(Op::Write).await?;
+                }
+                let w0 = Instant::now();
+                slot.wire_pending = true;
+                Box::pin(self.post_on(p, peer, op, bounce, r, inner_opts, deadline)).await?;
+                slot.wire_pending = false;
+                times.wire = w0.elapsed();
+                if op != Op::Write {
+                    times.copy = copy(Op::Read).await?;
+                }
+                drop(slot);
+                Ok::<Option<(u64, ChunkTimes)>, AgentError>(Some((len, times)))
+            }
+        });
+        let mut done = legs.buffer_unordered(STAGE_SLOTS);
+        let (mut bytes, mut copy_time, mut wire_time) = (0u64, Duration::ZERO, Duration::ZERO);
+        let mut first_error = None;
+        while let Some(r) = done.next().await {
+            match r {
+                Ok(Some((n, t))) => {
+                    bytes += n;
+                    copy_time += t.copy;
+                    wire_time += t.wire;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    failed.store(true, std::sync::atomic::Ordering::SeqCst);
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        drop(done);
+        if let Some(e) = first_error {
+            return Err(e);
+        }
+        if let Some(msg) = opts.notification.as_deref() {
+            self.notify_by(peer, msg, deadline).await?;
+        }
+        let wall = t0.elapsed();
+        {
+            let mut c = lock(&self.inner.staging);
+            c.transfers += 1;
+            c.bytes += bytes;
+            c.chunks += chunks as u64;
+            c.copy_time += copy_time;
+            c.wire_time += wire_time;
+            c.wall_time += wall;
+            c.slots_high_water = c
+                .slots_high_water
+                .max(high.load(std::sync::atomic::Ordering::Relaxed));
+        }
+        let mut st = TransferStats::new(bytes, local.len(), chunks, chunks);
+        st.staged_bytes = bytes;
+        st.total = wall;
+        Ok(st)
+    }
+}
