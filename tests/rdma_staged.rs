@@ -113,8 +113,18 @@ fn staged_writes_and_reads_go_through_bounded_slots_with_the_copy_overlapping_th
         b.set_staged(&src, true, None),
         Err(AgentError::UnknownLocalRegion(_))
     ));
+    // Measured choice: one READ each way, the faster kept.
+    let cal = block_on(a.calibrate_staging(&src, &peer, remote[0])).expect("calibrate");
+    assert_eq!(cal.bytes, 16 << 20);
+    assert!(cal.direct.is_some(), "host memory is reachable directly");
+    assert_eq!(a.is_staged(&src), cal.staged_chosen);
+    assert_eq!(
+        cal.staged_chosen,
+        cal.staged < cal.direct.expect("direct"),
+        "{cal:?}"
+    );
     report(&format!(
-        "staged RDMA: WRITE {len} B in {} chunks, copy {:?} + wire {:?} in {:?} wall (overlap {:.2}x), slots high water {}",
+        "staged RDMA: WRITE {len} B in {} chunks, copy {:?} + wire {:?} in {:?} wall (overlap {:.2}x), slots high water {}; calibration {cal:?}",
         w.chunks,
         w.copy_time,
         w.wire_time,

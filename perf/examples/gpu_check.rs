@@ -826,6 +826,79 @@ fn host_device(
     Ok(())
 }
 
+/// Stage 6, host-staged RDMA's copy leg on this GPU: VRAM copied into a host staging region in 4 MiB
+/// chunks by `RegionCopier` (one `cuMemcpyDtoH` each, into the slot) and back, next to one plain
+/// `cuMemcpy` of the whole buffer each way (pageable host memory, as the staging area is); and
+/// the NICs the agent binds this GPU's memory to (none on a machine without RDMA: memory the
+/// NIC cannot reach would be staged).
+fn staged_copy_leg(ordinal: i32, len: usize, iters: usize) -> Result<(), BoxError> {
+    use rixl::staging::{Copier, RegionCopier};
+    let mut cfg = agent_config();
+    cfg.engine.require_nic = false;
+    let agent = rixl::agent::Agent::new("gpu-check-staged", cfg)?;
+    let vram = futures_lite::future::block_on(agent.register_vram(
+        ordinal,
+        len,
+        rixl::agent::Visibility::All,
+    ))?;
+    let host = futures_lite::future::block_on(agent.register(len, rixl::agent::Visibility::All))?;
+    let pattern_bytes: Vec<u8> = (0..len).map(pattern).collect();
+    vram.region().write_at(0, &pattern_bytes)?;
+    let chunk = rixl::agent::STAGE_CHUNK;
+    let copier = RegionCopier;
+    let t = Instant::now();
+    for _ in 0..iters {
+        let mut off = 0u64;
+        while off < len as u64 {
+            let n = chunk.min(len as u64 - off);
+            copier.device_to_region(vram.region(), off, host.region(), off, n)?;
+            off += n;
+        }
+    }
+    let staged_out = gbs(len * iters, t.elapsed().as_secs_f64());
+    let mut back = vec![0u8; len];
+    host.region().read_at(0, &mut back)?;
+    if back != pattern_bytes {
+        return Err("staged device->host copy differs".into());
+    }
+    let t = Instant::now();
+    for _ in 0..iters {
+        let mut off = 0u64;
+        while off < len as u64 {
+            let n = chunk.min(len as u64 - off);
+            copier.region_to_device(host.region(), off, vram.region(), off, n)?;
+            off += n;
+        }
+    }
+    let staged_in = gbs(len * iters, t.elapsed().as_secs_f64());
+    let gpu_mem = vram
+        .region()
+        .gpu_memory()
+        .ok_or("VRAM region without GPU memory")?;
+    let t = Instant::now();
+    for _ in 0..iters {
+        gpu_mem.read(0, &mut back)?;
+    }
+    let plain_out = gbs(len * iters, t.elapsed().as_secs_f64());
+    let t = Instant::now();
+    for _ in 0..iters {
+        gpu_mem.write(0, &back)?;
+    }
+    let plain_in = gbs(len * iters, t.elapsed().as_secs_f64());
+    let choice = agent.binding(&vram).ok_or("no binding")?;
+    println!(
+        "  staged copy leg ({} MiB chunks): device->slot {staged_out:.1} GB/s ({:.2}x plain cuMemcpy {plain_out:.1}), slot->device {staged_in:.1} GB/s ({:.2}x plain {plain_in:.1}); GPU memory bound to {:?} ({}), staged {}",
+        chunk >> 20,
+        staged_out / plain_out,
+        staged_in / plain_in,
+        choice.nics,
+        choice.relation,
+        agent.is_staged(&vram)
+    );
+    agent.shutdown();
+    Ok(())
+}
+
 /// 5. GPUDirect RDMA registration on the first RDMA device, if any.
 fn gpudirect(gpu: &Arc<Gpu>) -> Result<(), BoxError> {
     match rixl::verbs::DeviceList::new().and_then(|l| l.find(None).map(|d| d.open())) {
@@ -911,6 +984,7 @@ fn main() -> Result<(), BoxError> {
     );
     stage("agent", agent_stage(len, iters, ordinal, baseline));
     stage("GPUDirect RDMA", gpudirect(&gpu));
+    stage("staged copy leg", staged_copy_leg(ordinal, len, iters));
     if !failed.is_empty() {
         return Err(format!("gpu_check: {} stage(s) failed: {failed:?}", failed.len()).into());
     }

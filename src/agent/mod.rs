@@ -54,7 +54,7 @@ pub use notify::{Notification, Notifications, MAX_NOTIFICATION, NOTIFICATION_QUE
 pub use registry::{FileRegistration, MemoryInfo, Registration, RegistrationCounters, Released};
 pub use requests::{PreparedLocal, PreparedRemote, TransferRequest};
 pub use sidechannel::SideChannelCounters;
-pub use staged::{StagingCounters, STAGE_CHUNK, STAGE_SLOTS};
+pub use staged::{StagingCalibration, StagingCounters, STAGE_CHUNK, STAGE_SLOTS};
 
 pub(crate) struct Inner {
     name: String,

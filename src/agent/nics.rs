@@ -51,6 +51,15 @@ pub struct NicBinding {
 }
 
 impl NicBinding {
+    /// Whether the memory reaches its NICs without a socket crossing (GPUDirect RDMA for GPU
+    /// memory; always for host memory).
+    pub fn gpudirect(&self) -> bool {
+        match self.location {
+            MemoryLocation::Gpu { .. } => self.relation <= crate::topology::GDR_MAX_RELATION,
+            MemoryLocation::Host { .. } => true,
+        }
+    }
+
     /// The bound rails as the bit mask metadata carries (bit `i`: rail `i`).
     pub(crate) fn mask(&self) -> u8 {
         let m = self

@@ -421,8 +421,12 @@ impl Agent {
                     None
                 }
             });
+        let binding = self.inner.bind_new(&region);
+        if region.registration().is_some() && !binding.gpudirect() {
+            tracing::info!(agent = %self.inner.name, nics = ?binding.nics, relation = %binding.relation, "GPU memory is across sockets from its NIC: Agent::calibrate_staging measures whether staging through host memory is faster");
+        }
         Ok(self.add_registration(Reg {
-            binding: self.inner.bind_new(&region),
+            binding,
             staged: None,
             region,
             rails,

@@ -65,6 +65,20 @@ pub struct StagingCounters {
     pub slots_high_water: usize,
 }
 
+/// What [`Agent::calibrate_staging`] measured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StagingCalibration {
+    /// Bytes read each way.
+    pub bytes: u64,
+    /// The direct READ's time (`None`: the NIC cannot reach the memory directly).
+    pub direct: Option<Duration>,
+    /// The staged READ's time.
+    pub staged: Duration,
+    /// Whether the registration is staged from now on.
+    pub staged_chosen: bool,
+}
+
 /// The registered staging area and its free slots.
 pub(crate) struct StageArea {
     reg: Registration,
@@ -180,6 +194,60 @@ impl Agent {
             }
         });
         Ok(())
+    }
+
+    /// Measures whether `reg`'s transfers are faster direct or staged through host memory (GPU
+    /// memory whose NIC is across sockets, where peer-to-peer reads can be slow), and keeps the
+    /// faster: one READ of up to 16 MiB of `remote` (the peer's region) into the start of
+    /// `reg` each way, after one to set the connection up. It overwrites those bytes of `reg`:
+    /// run it before the memory holds data.
+    ///
+    /// # Errors
+    /// [`AgentError::UnknownLocalRegion`] for another agent's registration; the transfers'
+    /// errors (a direct READ the NIC refuses counts as slower, not as an error).
+    pub async fn calibrate_staging(
+        &self,
+        reg: &Registration,
+        peer: &str,
+        remote: super::RemoteRef,
+    ) -> Result<StagingCalibration, AgentError> {
+        if !reg.belongs_to(&self.inner) {
+            return Err(AgentError::UnknownLocalRegion(reg.id()));
+        }
+        let bytes = remote.len.min(reg.region().len()).min(16 << 20);
+        let mut local = LocalDescList::new();
+        local.push(reg.region(), 0, bytes);
+        let remote = [super::RemoteRef {
+            len: bytes,
+            ..remote
+        }];
+        let reachable = reg.region().registration().is_some();
+        let direct = if reachable {
+            self.set_staged(reg, false, None)?;
+            self.read(peer, &local, &remote).await?;
+            let t = Instant::now();
+            self.read(peer, &local, &remote)
+                .await
+                .ok()
+                .map(|_| t.elapsed())
+        } else {
+            None
+        };
+        self.set_staged(reg, true, None)?;
+        let t = Instant::now();
+        self.read(peer, &local, &remote).await?;
+        let staged = t.elapsed();
+        let staged_chosen = direct.is_none_or(|d| staged < d);
+        if !staged_chosen {
+            self.set_staged(reg, false, None)?;
+        }
+        tracing::info!(agent = %self.inner.name, region = reg.id(), bytes, ?direct, ?staged, staged_chosen, "staging calibrated");
+        Ok(StagingCalibration {
+            bytes,
+            direct,
+            staged,
+            staged_chosen,
+        })
     }
 
     /// Whether `reg`'s transfers go through host memory.
