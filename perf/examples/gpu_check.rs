@@ -686,6 +686,17 @@ fn agent_stage(
         gbs(len * iters, secs),
         len >> 20
     );
+    ipc_latency(&a, &name, &mine, region, ordinal)?;
+    // A node without a NIC sends its notifications on the side channel: delivered into the
+    // peer's stream when this returns.
+    if !a.has_nic() {
+        let t = Instant::now();
+        futures_lite::future::block_on(a.notify(&name, b"gpu-check: reads done"))?;
+        println!(
+            "  notification without a NIC (side channel): delivered in {:.2} ms",
+            t.elapsed().as_secs_f64() * 1e3
+        );
+    }
     scattered_write(&a, &name, &mine, region, len, ordinal, baseline)?;
     dropped_future(&a, &name, region, len, ordinal)?;
     spin_ab(&a, &name, &addr, region, ordinal)?;
@@ -696,6 +707,48 @@ fn agent_stage(
     }
     let _ = peer.wait();
     a.shutdown();
+    Ok(())
+}
+
+/// Latency of small reads of a peer process's VRAM over CUDA IPC (`agent.read`, 4 KiB), next
+/// to a plain 4 KiB `cuMemcpyDtoD` in one process.
+fn ipc_latency(
+    a: &rixl::agent::Agent,
+    name: &str,
+    mine: &rixl::agent::Registration,
+    region: u64,
+    ordinal: i32,
+) -> Result<(), BoxError> {
+    const SMALL: u64 = 4096;
+    const N: u32 = 2000;
+    let mut local = rixl::runtime::LocalDescList::new();
+    local.push(mine.region(), 0, SMALL);
+    let remote = [rixl::agent::RemoteRef {
+        region,
+        offset: 0,
+        len: SMALL,
+    }];
+    futures_lite::future::block_on(a.read(name, &local, &remote))?;
+    let t = Instant::now();
+    for _ in 0..N {
+        futures_lite::future::block_on(a.read(name, &local, &remote))?;
+    }
+    let ipc_us = t.elapsed().as_secs_f64() * 1e6 / f64::from(N);
+    let gpu = Gpu::open(ordinal)?;
+    let (src, dst) = (
+        DeviceMemory::alloc(&gpu, SMALL as usize)?,
+        DeviceMemory::alloc(&gpu, SMALL as usize)?,
+    );
+    dst.copy_from(&src)?;
+    let t = Instant::now();
+    for _ in 0..N {
+        dst.copy_from(&src)?;
+    }
+    let plain_us = t.elapsed().as_secs_f64() * 1e6 / f64::from(N);
+    println!(
+        "  latency of a 4 KiB read: agent.read over CUDA IPC {ipc_us:.1} us, cuMemcpyDtoD {plain_us:.1} us ({:.2}x)",
+        ipc_us / plain_us
+    );
     Ok(())
 }
 
