@@ -536,6 +536,17 @@ impl Drop for PinnedHostMemory {
     }
 }
 
+/// Checks that `offset..offset + len` lies inside `buf`.
+fn host_range(buf: &rixl_verbs::HostBuffer, offset: usize, len: usize) -> Result<(), Error> {
+    match offset.checked_add(len) {
+        Some(end) if end <= buf.len() => Ok(()),
+        _ => Err(Error::InvalidArgument(format!(
+            "range {offset}+{len} outside {} bytes of host memory",
+            buf.len()
+        ))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -590,16 +601,5 @@ mod tests {
         mem.read(0, &mut back).expect("read");
         assert!(back == pattern);
         assert_eq!(mem.dmabuf_offset(), 0);
-    }
-}
-
-/// Checks that `offset..offset + len` lies inside `buf`.
-fn host_range(buf: &rixl_verbs::HostBuffer, offset: usize, len: usize) -> Result<(), Error> {
-    match offset.checked_add(len) {
-        Some(end) if end <= buf.len() => Ok(()),
-        _ => Err(Error::InvalidArgument(format!(
-            "range {offset}+{len} outside {} bytes of host memory",
-            buf.len()
-        ))),
     }
 }

@@ -107,6 +107,8 @@ pub(crate) struct Inner {
     /// Host-staged RDMA's registered slots (made on first use) and counters.
     stage_area: Mutex<Option<Arc<staged::StageArea>>>,
     staging: Mutex<StagingCounters>,
+    /// Staged registrations (the transfer path skips the lookup while there are none).
+    staged_regs: std::sync::atomic::AtomicUsize,
 }
 
 /// The side channel's bounds ([`AgentConfig::max_side_channel_connections`],
@@ -249,6 +251,7 @@ impl Agent {
                 objects: std::sync::OnceLock::new(),
                 stage_area: Mutex::new(None),
                 staging: Mutex::new(StagingCounters::default()),
+                staged_regs: std::sync::atomic::AtomicUsize::new(0),
                 nics: nics::Nics {
                     names,
                     machine,

@@ -117,7 +117,12 @@ struct RegInner {
 impl Drop for RegInner {
     fn drop(&mut self) {
         if let Some(a) = self.agent.upgrade() {
-            a.regs.update(|regs| regs.remove(&self.id));
+            a.regs.update(|regs| {
+                if regs.remove(&self.id).is_some_and(|r| r.staged.is_some()) {
+                    a.staged_regs
+                        .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+                }
+            });
             // Its windows keep the memory registered: they go now.
             a.grants.revoke_region(self.id, None);
             a.metadata_changed();

@@ -192,6 +192,11 @@ impl Agent {
                 new.staged = copier;
                 regs.insert(id, Arc::new(new));
             }
+            // Under the writers' lock: the count the transfer path looks at first.
+            let n = regs.values().filter(|r| r.staged.is_some()).count();
+            self.inner
+                .staged_regs
+                .store(n, std::sync::atomic::Ordering::Release);
         });
         Ok(())
     }
@@ -268,10 +273,16 @@ impl Agent {
 
     /// The copy leg of `local` if any of its regions is staged.
     pub(crate) fn staged_copier(&self, local: &LocalDescList) -> Option<Arc<dyn Copier>> {
-        let regs = self.inner.regs.load();
-        if regs.values().all(|r| r.staged.is_none()) {
+        // The common case costs one load: no registration is staged.
+        if self
+            .inner
+            .staged_regs
+            .load(std::sync::atomic::Ordering::Acquire)
+            == 0
+        {
             return None;
         }
+        let regs = self.inner.regs.load();
         local.regions().iter().find_map(|r0| {
             regs.values()
                 .find(|g| g.region.same(r0))
