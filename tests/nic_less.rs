@@ -132,3 +132,40 @@ fn nic_less_bad_input_floods_and_dead_peers_get_typed_errors() {
     ));
     b.shutdown();
 }
+
+#[test]
+fn nic_less_a_full_stream_refuses_typed_and_loses_nothing() {
+    let Some((a, b)) = pair(|_| {}, |_| {}) else {
+        return;
+    };
+    let mut inbox = a.notifications().expect("stream");
+    // Fill the stream until it refuses: after a bounded wait, typed.
+    let queue = rixl::agent::NOTIFICATION_QUEUE as u32;
+    let mut accepted = 0u32;
+    let (r, waited) = loop {
+        let t0 = Instant::now();
+        match block_on(b.notify("nicless-a", &accepted.to_be_bytes())) {
+            Ok(()) => accepted += 1,
+            Err(e) => break (e, t0.elapsed()),
+        }
+        assert!(accepted <= queue + 8, "the stream is bounded");
+    };
+    assert!(accepted >= queue, "the stream holds {queue}: {accepted}");
+    assert!(
+        matches!(&r, AgentError::SideChannel(m) if m.contains("busy")),
+        "{r:?}"
+    );
+    assert!(
+        waited >= rixl::agent::SIDE_NOTIFY_WAIT && waited < Duration::from_secs(3),
+        "{waited:?}"
+    );
+    // Everything accepted is there, in order; the refused one is not.
+    for i in 0..accepted {
+        assert_eq!(block_on(inbox.next()).expect("one").1, i.to_be_bytes());
+    }
+    // Drained: accepted again.
+    block_on(b.notify("nicless-a", b"after")).expect("room again");
+    assert_eq!(block_on(inbox.next()).expect("one").1, b"after");
+    a.shutdown();
+    b.shutdown();
+}

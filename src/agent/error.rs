@@ -58,6 +58,15 @@ pub enum AgentError {
     /// The topology named by `RIXL_TOPOLOGY_XML` could not be read.
     #[error("topology: {0}")]
     Topology(#[from] crate::topology::TopologyError),
+    /// A peer's region that no NIC reaches (GPU memory without GPUDirect RDMA) was the target
+    /// of an RDMA transfer: it is reachable by CUDA IPC from its own node only.
+    #[error("region {region} of {peer:?} is reachable by CUDA IPC only (no NIC registration)")]
+    NotRdmaReachable {
+        /// The peer.
+        peer: String,
+        /// Its region id.
+        region: u64,
+    },
     /// A NIC binding named a NIC this agent did not open ([`super::Agent::bind`]).
     #[error("no NIC {nic:?} among this agent's NICs {have:?}")]
     UnknownNic {

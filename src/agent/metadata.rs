@@ -68,8 +68,9 @@ pub struct RegionInfo {
     pub kind: MemKind,
     /// Remote keys of rails 1.. (`rail_rkeys[i - 1]` for rail `i`; unused entries are 0).
     pub rail_rkeys: [u32; MAX_RAILS - 1],
-    /// The rails its memory is bound to (bit `i`: rail `i`; never 0): the NICs nearest it,
-    /// which transfers to it prefer.
+    /// The rails its memory is bound to (bit `i`: rail `i`): the NICs nearest it, which
+    /// transfers to it prefer. 0: no NIC reaches it (GPU memory without GPUDirect RDMA): peers
+    /// on its node reach it by CUDA IPC only.
     pub bound: u8,
 }
 
@@ -342,7 +343,7 @@ impl AgentMetadata {
                 k => return Err(MetadataError::Invalid(format!("memory kind {k}"))),
             };
             let bound = r.u8()?;
-            if bound == 0 || (rails < 8 && bound >> rails != 0) {
+            if rails < 8 && bound >> rails != 0 {
                 return Err(MetadataError::Invalid(format!(
                     "region {id}: bound to rails {bound:#04x} of {rails}"
                 )));
@@ -531,8 +532,16 @@ mod tests {
             AgentMetadata::decode(&bad, &key()),
             Err(MetadataError::Invalid(_))
         ));
-        // A region bound to no rail, or to a rail the agent does not have.
-        for bound in [0u8, 0b100] {
+        // A region bound to no rail is reachable by CUDA IPC only, and round-trips.
+        let mut ipc_only = sample();
+        ipc_only.regions[0].bound = 0;
+        let blob0 = ipc_only.encode(&key()).expect("encode");
+        assert_eq!(
+            AgentMetadata::decode(&blob0, &key()).expect("decode"),
+            ipc_only
+        );
+        // A region bound to a rail the agent does not have.
+        for bound in [0b100u8, 0x80] {
             let mut r = sample();
             r.regions[0].bound = bound;
             let mut blob = r.encode(&key()).expect("encode");

@@ -50,7 +50,9 @@ pub use grants::GrantCounters;
 pub use handle::{CallOptions, Transfer, TransferStatus};
 pub use link::{LinkCounters, BACKOFF_MAX, BACKOFF_MIN};
 pub use nics::{Bind, NicBinding};
-pub use notify::{Notification, Notifications, MAX_NOTIFICATION, NOTIFICATION_QUEUE};
+pub use notify::{
+    Notification, Notifications, MAX_NOTIFICATION, NOTIFICATION_QUEUE, SIDE_NOTIFY_WAIT,
+};
 pub use registry::{FileRegistration, MemoryInfo, Registration, RegistrationCounters, Released};
 pub use requests::{PreparedLocal, PreparedRemote, TransferRequest};
 pub use sidechannel::SideChannelCounters;
@@ -76,6 +78,8 @@ pub(crate) struct Inner {
     notif_tx: mpsc::Sender<Notification>,
     /// Notifications a peer may deliver per second ([`AgentConfig::notification_rate`]).
     notification_rate: u32,
+    /// The side channel's one sender into the notification stream.
+    side_tx: Mutex<mpsc::Sender<Notification>>,
     /// The rate caps of peers' notifications on the side channel, by peer.
     side_caps: Mutex<std::collections::HashMap<String, notify::RateCap>>,
     notif_rx: Mutex<Option<Notifications>>,
@@ -180,9 +184,11 @@ impl Agent {
         };
         let home_numa = machine.numa_of_cpu(cfg.cpu as u32);
         let mut devices = cfg.rails.clone();
+        let mut chosen = false;
         if devices.is_empty() && cfg.engine.device.is_none() {
             devices = machine.agent_nics(cfg.gpus.as_deref(), home_numa);
-            if !devices.is_empty() {
+            chosen = !devices.is_empty();
+            if chosen {
                 tracing::info!(agent = %name, nics = ?devices, gpus = ?cfg.gpus, numa = ?home_numa, "NICs chosen from the topology");
             }
         }
@@ -194,16 +200,31 @@ impl Agent {
                 first.device = Some(d.clone());
             }
         }
-        let mut pools = vec![EnginePool::start(&first, &[cfg.cpu], cfg.io_memory)?];
+        let first_pool = match EnginePool::start(&first, &[cfg.cpu], cfg.io_memory) {
+            Ok(p) => p,
+            // A NIC the topology chose that does not open (port down, a management NIC): the
+            // configured default device instead, alone.
+            Err(e) if chosen => {
+                tracing::warn!(agent = %name, nic = ?first.device, error = %e, "the topology's NIC did not open: using the default device");
+                devices.clear();
+                let mut c = cfg.engine.clone();
+                c.window_grants = cfg.nic_grants;
+                EnginePool::start(&c, &[cfg.cpu], cfg.io_memory)?
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let mut pools = vec![first_pool];
         for (i, dev) in devices.iter().enumerate().skip(1).take(MAX_RAILS - 1) {
             let mut c = cfg.engine.clone();
             c.device = Some(dev.clone());
             c.window_grants = cfg.nic_grants;
-            pools.push(EnginePool::start(
-                &c,
-                &[(cfg.cpu + i) % ncpu],
-                cfg.io_memory,
-            )?);
+            match EnginePool::start(&c, &[(cfg.cpu + i) % ncpu], cfg.io_memory) {
+                Ok(p) => pools.push(p),
+                Err(e) if chosen => {
+                    tracing::warn!(agent = %name, nic = %dev, error = %e, "a NIC the topology chose did not open: left out");
+                }
+                Err(e) => return Err(e.into()),
+            }
         }
         let engines: Vec<EngineHandle> = pools.iter().map(|p| p.handles()[0].clone()).collect();
         let names: Vec<String> = engines
@@ -211,6 +232,7 @@ impl Agent {
             .map(|e| e.device_name().unwrap_or_default().to_string())
             .collect();
         let (notif_tx, notif_rx) = mpsc::channel(notify::NOTIFICATION_QUEUE);
+        let side_tx = notif_tx.clone();
         let generation = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos() as u64)
@@ -232,6 +254,7 @@ impl Agent {
                 notif_tx,
                 notification_rate: cfg.notification_rate,
                 side_caps: Mutex::new(Default::default()),
+                side_tx: Mutex::new(side_tx),
                 notif_rx: Mutex::new(Some(notif_rx)),
                 stopped: AtomicBool::new(false),
                 links: link::Links::default(),

@@ -199,6 +199,25 @@ pub(crate) fn numa_of(maps: &str, addr: u64) -> Option<u32> {
         .map(|(node, _)| node)
 }
 
+/// The first of `remote`'s regions (the peer `p`'s memory) that no NIC reaches, if any
+/// (one load when the peer has none).
+pub(crate) fn ipc_only_target(p: &super::peers::Peer, remote: &RemoteDescList) -> Option<u64> {
+    if !p.ipc_only {
+        return None;
+    }
+    let mut last = None;
+    for d in &remote.0 {
+        if last == Some(d.rkey) {
+            continue;
+        }
+        last = Some(d.rkey);
+        if let Some(info) = p.by_rkey.get(&d.rkey).filter(|i| i.bound == 0) {
+            return Some(info.id);
+        }
+    }
+    None
+}
+
 impl Inner {
     /// The rails a transfer of `local` to or from `remote` (the peer `p`'s memory) goes on:
     /// where both bindings meet ([`crate::runtime::lanes`]), the first alone for a small
@@ -300,10 +319,13 @@ impl Agent {
         if !reg.belongs_to(&self.inner) {
             return Err(AgentError::UnknownLocalRegion(reg.id()));
         }
-        let regs = self.inner.regs.load();
-        let cur = regs
-            .get(&reg.id())
-            .ok_or(AgentError::UnknownLocalRegion(reg.id()))?;
+        let cur = Arc::clone(
+            self.inner
+                .regs
+                .load()
+                .get(&reg.id())
+                .ok_or(AgentError::UnknownLocalRegion(reg.id()))?,
+        );
         let binding = match bind {
             Bind::Auto => self.inner.bind_new(&cur.region),
             Bind::Location(location) => NicBinding {
@@ -312,6 +334,7 @@ impl Agent {
             },
             Bind::Nics(names) => self.inner.nics.named(cur.binding.location, &names)?,
         };
+        drop(cur);
         let id = reg.id();
         let b = binding.clone();
         self.inner.regs.update(move |regs| {
@@ -330,6 +353,38 @@ impl Agent {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::agent::metadata::{MemKind, RegionInfo};
+    use crate::runtime::RemoteDesc;
+
+    #[test]
+    fn nic_less_regions_no_nic_reaches_are_refused_for_rdma_before_anything_is_posted() {
+        let region = |id: u64, bound: u8| RegionInfo {
+            id,
+            addr: id << 20,
+            len: 1 << 20,
+            rkey: id as u32,
+            kind: MemKind::Vram,
+            rail_rkeys: [0; MAX_RAILS - 1],
+            bound,
+        };
+        let desc = |rkey: u32| RemoteDesc {
+            addr: u64::from(rkey) << 20,
+            len: 4096,
+            rkey,
+        };
+        let mut p = super::super::peers::Peer {
+            by_rkey: [(1, region(1, 0b01)), (2, region(2, 0))]
+                .into_iter()
+                .collect(),
+            ..Default::default()
+        };
+        let list = RemoteDescList(vec![desc(1), desc(1), desc(2)]);
+        // Not flagged as having IPC-only regions: one load, no lookup.
+        assert_eq!(ipc_only_target(&p, &list), None);
+        p.ipc_only = true;
+        assert_eq!(ipc_only_target(&p, &list), Some(2));
+        assert_eq!(ipc_only_target(&p, &RemoteDescList(vec![desc(1)])), None);
+    }
 
     #[test]
     fn nic_choice_numa_maps_name_the_node_most_pages_are_on() {

@@ -33,6 +33,10 @@ pub type Notifications = mpsc::Receiver<Notification>;
 /// Notifications the stream holds before the receivers wait for the application.
 pub const NOTIFICATION_QUEUE: usize = 1024;
 
+/// How long a notification sent on the side channel waits for room in a full stream before it
+/// is refused.
+pub const SIDE_NOTIFY_WAIT: Duration = Duration::from_millis(200);
+
 /// A token bucket: `rate` per second, bursts of up to `rate / 10` (at least 16).
 #[derive(Debug)]
 pub(crate) struct RateCap {
@@ -152,11 +156,13 @@ impl Agent {
 
 impl Inner {
     /// Delivers a notification `requester` sent on the side channel: after the requester's rate
-    /// cap allows it, and once the stream has room (the requester's exchange waits meanwhile,
-    /// within its deadline; nothing is dropped).
+    /// cap allows it, and once the stream has room. A stream that stays full for
+    /// [`SIDE_NOTIFY_WAIT`] refuses it (the sender gets `ERR`, typed; nothing is dropped
+    /// silently), so an undrained stream never holds a side-channel slot for long.
     ///
     /// # Errors
-    /// [`AgentError::Stopped`] once the stream is gone.
+    /// [`AgentError::SideChannel`] when the stream stays full; [`AgentError::Stopped`] once it
+    /// is gone.
     pub(crate) async fn deliver(&self, requester: &str, msg: Vec<u8>) -> Result<(), AgentError> {
         let wait = lock(&self.side_caps)
             .entry(requester.to_string())
@@ -166,12 +172,24 @@ impl Inner {
             tracing::debug!(peer = %requester, ?wait, "notification rate cap reached; waiting");
             futures_timer::Delay::new(wait).await;
         }
-        let mut tx = self.notif_tx.clone();
-        futures_lite::future::poll_fn(|cx| tx.poll_ready(cx))
-            .await
-            .map_err(|_| AgentError::Stopped)?;
-        tx.start_send((requester.to_string(), msg))
-            .map_err(|_| AgentError::Stopped)
+        // One sender for the whole side channel: a clone per call would add a slot to the
+        // channel each time, and the stream would never be full.
+        let mut item = (requester.to_string(), msg);
+        let until = Instant::now() + SIDE_NOTIFY_WAIT;
+        loop {
+            let sent = lock(&self.side_tx).try_send(item);
+            match sent {
+                Ok(()) => return Ok(()),
+                Err(e) if e.is_disconnected() => return Err(AgentError::Stopped),
+                Err(e) => item = e.into_inner(),
+            }
+            if Instant::now() >= until {
+                return Err(AgentError::SideChannel(format!(
+                    "notification stream full for {SIDE_NOTIFY_WAIT:?}: busy"
+                )));
+            }
+            futures_timer::Delay::new(Duration::from_millis(2)).await;
+        }
     }
 
     /// Delivers messages arriving on `conn` from `peer` to the notification stream until the

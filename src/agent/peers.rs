@@ -25,6 +25,8 @@ pub(crate) struct Peer {
     pub regions: HashMap<u64, RegionInfo>,
     /// Its regions by their rail-0 key (multi-rail striping renames keys per rail).
     pub by_rkey: HashMap<u32, RegionInfo>,
+    /// Whether some of its regions are reachable by CUDA IPC only (bound to no rail).
+    pub ipc_only: bool,
     /// Its GPUs and VRAM exports (the same-node CUDA IPC path).
     pub gpus: PeerGpus,
     /// Connections by rail (rail 0 also carries notifications).
@@ -72,6 +74,7 @@ impl Peer {
             .collect();
         Peer {
             by_rkey: regions.values().map(|r| (r.rkey, *r)).collect(),
+            ipc_only: regions.values().any(|r| r.bound == 0),
             gpus: PeerGpus {
                 node: md.node.clone(),
                 process: md.process,

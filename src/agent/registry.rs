@@ -755,7 +755,13 @@ impl Inner {
                         MemKind::Dram
                     },
                     rail_rkeys,
-                    bound: r.binding.mask(),
+                    // Memory without a NIC registration (GPU memory the NIC refused) is
+                    // reachable by CUDA IPC only: bound to no rail.
+                    bound: if r.region.registration().is_some() {
+                        r.binding.mask()
+                    } else {
+                        0
+                    },
                 }
             })
             .collect();

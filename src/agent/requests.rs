@@ -329,6 +329,12 @@ impl Agent {
             }
             return Ok(st);
         }
+        if let Some(region) = super::nics::ipc_only_target(p, &remote) {
+            return Err(AgentError::NotRdmaReachable {
+                peer: peer.to_string(),
+                region,
+            });
+        }
         if let Some(copier) = self.staged_copier(&local) {
             return Box::pin(self.post_staged(p, peer, op, local, remote, opts, deadline, copier))
                 .await;
@@ -498,6 +504,17 @@ impl Agent {
         let p = self.inner.peer(peer)?;
         let path = match self.route(&p, local, &resolved.remote) {
             Route::CudaIpc(_) => RequestPath::Planned {
+                local: local.clone(),
+                remote: resolved.remote,
+            },
+            Route::Rdma if super::nics::ipc_only_target(&p, &resolved.remote).is_some() => {
+                return Err(AgentError::NotRdmaReachable {
+                    peer: peer.to_string(),
+                    region: super::nics::ipc_only_target(&p, &resolved.remote).unwrap_or_default(),
+                });
+            }
+            // Staged memory goes through the staging area at every post.
+            Route::Rdma if self.staged_copier(local).is_some() => RequestPath::Planned {
                 local: local.clone(),
                 remote: resolved.remote,
             },

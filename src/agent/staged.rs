@@ -97,32 +97,54 @@ impl std::fmt::Debug for StageArea {
     }
 }
 
-/// A slot, given back when dropped, unless its RDMA did not complete.
+/// A slot, given back when dropped, unless a copy or RDMA on it may still be running.
 struct Slot<'a> {
     area: &'a StageArea,
     index: usize,
     permit: Option<tokio::sync::SemaphorePermit<'a>>,
-    /// Its RDMA was posted and has not completed.
-    wire_pending: bool,
+    /// A copy job or posted RDMA work on it has not finished (the transfer was dropped or
+    /// failed midway): it is never handed out again.
+    busy: bool,
 }
 
 impl Drop for Slot<'_> {
     fn drop(&mut self) {
-        if self.wire_pending {
+        if self.busy {
             self.area
                 .retired
                 .store(true, std::sync::atomic::Ordering::SeqCst);
+            // Transfers waiting for a slot of this area fail typed (the next ones make a new
+            // area) rather than wait for slots that never come back.
+            self.area.permits.close();
             if let Some(p) = self.permit.take() {
                 p.forget();
             }
             tracing::warn!(
                 slot = self.index,
-                "staged RDMA ended before its work completed: staging area retired"
+                "staged transfer ended while its slot was in use: staging area retired"
             );
         } else {
             lock(&self.area.free).push(self.index);
         }
     }
+}
+
+/// Whether a failed transfer may have posted work (its memory may still be touched until the
+/// connection flushes); errors raised before posting leave the slot reusable.
+fn maybe_posted(e: &AgentError) -> bool {
+    !matches!(
+        e,
+        AgentError::UnknownPeer(_)
+            | AgentError::UnknownRegion { .. }
+            | AgentError::NotGranted { .. }
+            | AgentError::RemoteOutOfRange { .. }
+            | AgentError::NoSideChannel(_)
+            | AgentError::ConnectTimeout { .. }
+            | AgentError::ConnectFailed { .. }
+            | AgentError::Unreachable { .. }
+            | AgentError::StaleMetadata(_)
+            | AgentError::Transfer(crate::runtime::TransferError::InvalidDescriptor(_))
+    )
 }
 
 impl StageArea {
@@ -150,7 +172,7 @@ impl StageArea {
             area: self,
             index,
             permit: Some(permit),
-            wire_pending: false,
+            busy: false,
         })
     }
 
@@ -226,6 +248,12 @@ impl Agent {
             len: bytes,
             ..remote
         }];
+        let before = self
+            .inner
+            .regs
+            .load()
+            .get(&reg.id())
+            .and_then(|r| r.staged.as_ref().map(|c| Arc::clone(&c.0)));
         let reachable = reg.region().registration().is_some();
         let direct = if reachable {
             self.set_staged(reg, false, None)?;
@@ -238,9 +266,13 @@ impl Agent {
         } else {
             None
         };
-        self.set_staged(reg, true, None)?;
+        self.set_staged(reg, true, before.clone())?;
         let t = Instant::now();
-        self.read(peer, &local, &remote).await?;
+        if let Err(e) = self.read(peer, &local, &remote).await {
+            // As it was before, where it can be used at all.
+            self.set_staged(reg, before.is_some() || !reachable, before)?;
+            return Err(e);
+        }
         let staged = t.elapsed();
         let staged_chosen = direct.is_none_or(|d| staged < d);
         if !staged_chosen {
@@ -318,7 +350,7 @@ impl Agent {
     }
 
     /// A transfer whose local memory is staged: chunk by chunk through the staging area, up to
-    /// [`STAGE_SLOTS`] chunks at once; the notification (if any) after every chunk.
+    /// [`STAGE_SLOTS`] chunks at once; the notification (if any) once every chunk completed.
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn post_staged(
         &self,
@@ -401,25 +433,39 @@ impl Agent {
                             }
                             Ok::<(), StagingError>(())
                         };
-                        let r = rt
+                        // The job ran to its end unless the I/O threads went away first.
+                        match rt
                             .spawn(async move { tokio::task::spawn_blocking(job).await })
                             .await
-                            .ok_or(AgentError::Stopped)?
-                            .map_err(|e| AgentError::Staging(StagingError::CopyThread(e)))?;
-                        r.map_err(AgentError::Staging)?;
-                        Ok::<Duration, AgentError>(c0.elapsed())
+                        {
+                            None => (Err(AgentError::Stopped), false),
+                            Some(Err(e)) => {
+                                (Err(AgentError::Staging(StagingError::CopyThread(e))), true)
+                            }
+                            Some(Ok(r)) => {
+                                (r.map(|()| c0.elapsed()).map_err(AgentError::Staging), true)
+                            }
+                        }
                     }
                 };
                 if op == Op::Write {
-                    times.copy = copy(Op::Write).await?;
+                    slot.busy = true;
+                    let (r, finished) = copy(Op::Write).await;
+                    slot.busy = !finished;
+                    times.copy = r?;
                 }
                 let w0 = Instant::now();
-                slot.wire_pending = true;
-                Box::pin(self.post_on(p, peer, op, bounce, r, inner_opts, deadline)).await?;
-                slot.wire_pending = false;
+                slot.busy = true;
+                let posted =
+                    Box::pin(self.post_on(p, peer, op, bounce, r, inner_opts, deadline)).await;
+                slot.busy = posted.as_ref().err().is_some_and(maybe_posted);
+                posted?;
                 times.wire = w0.elapsed();
                 if op != Op::Write {
-                    times.copy = copy(Op::Read).await?;
+                    slot.busy = true;
+                    let (r, finished) = copy(Op::Read).await;
+                    slot.busy = !finished;
+                    times.copy = r?;
                 }
                 drop(slot);
                 Ok::<Option<(u64, ChunkTimes)>, AgentError>(Some((len, times)))
