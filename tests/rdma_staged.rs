@@ -113,7 +113,26 @@ fn staged_writes_and_reads_go_through_bounded_slots_with_the_copy_overlapping_th
         b.set_staged(&src, true, None),
         Err(AgentError::UnknownLocalRegion(_))
     ));
-    // Measured choice: one READ each way, the faster kept.
+    // The automatic choice: the next large transfer direct, the one after staged, both timed,
+    // then the faster kept for the ones after.
+    a.measure_staging(&src, Some(standin.clone() as Arc<dyn Copier>))
+        .expect("arm");
+    let first = block_on(a.write(&peer, &local, &remote)).expect("measured direct");
+    assert_eq!(
+        first.staged_bytes, 0,
+        "the first measured transfer runs direct"
+    );
+    assert_eq!(a.staging_choice(&src), None, "not decided after one");
+    let second = block_on(a.write(&peer, &local, &remote)).expect("measured staged");
+    assert_eq!(second.staged_bytes, len, "the second runs staged");
+    let auto = a.staging_choice(&src).expect("decided after both");
+    assert_eq!(a.is_staged(&src), auto.staged_chosen, "{auto:?}");
+    let third = block_on(a.write(&peer, &local, &remote)).expect("after the choice");
+    assert_eq!(third.staged_bytes > 0, auto.staged_chosen);
+    dst.region().read_at(0, &mut got).expect("read back");
+    // The staged READ above left the peer's changed bytes in `src`.
+    assert!(got == changed, "measured transfers deliver every byte");
+    // Measured choice on request: one READ each way, the faster kept.
     let cal = block_on(a.calibrate_staging(&src, &peer, remote[0])).expect("calibrate");
     assert_eq!(cal.bytes, 16 << 20);
     assert!(cal.direct.is_some(), "host memory is reachable directly");
@@ -124,7 +143,7 @@ fn staged_writes_and_reads_go_through_bounded_slots_with_the_copy_overlapping_th
         "{cal:?}"
     );
     report(&format!(
-        "staged RDMA: WRITE {len} B in {} chunks, copy {:?} + wire {:?} in {:?} wall (overlap {:.2}x), slots high water {}; calibration {cal:?}",
+        "staged RDMA: WRITE {len} B in {} chunks, copy {:?} + wire {:?} in {:?} wall (overlap {:.2}x), slots high water {}; calibration {cal:?}; automatic {auto:?}",
         w.chunks,
         w.copy_time,
         w.wire_time,

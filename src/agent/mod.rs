@@ -113,6 +113,9 @@ pub(crate) struct Inner {
     staging: Mutex<StagingCounters>,
     /// Staged registrations (the transfer path skips the lookup while there are none).
     staged_regs: std::sync::atomic::AtomicUsize,
+    /// Registrations whose staging is chosen by measurement, and how many are undecided.
+    auto_stage: Mutex<std::collections::HashMap<u64, staged::AutoStage>>,
+    auto_pending: std::sync::atomic::AtomicUsize,
 }
 
 /// The side channel's bounds ([`AgentConfig::max_side_channel_connections`],
@@ -275,6 +278,8 @@ impl Agent {
                 stage_area: Mutex::new(None),
                 staging: Mutex::new(StagingCounters::default()),
                 staged_regs: std::sync::atomic::AtomicUsize::new(0),
+                auto_stage: Mutex::new(Default::default()),
+                auto_pending: std::sync::atomic::AtomicUsize::new(0),
                 nics: nics::Nics {
                     names,
                     machine,

@@ -103,12 +103,20 @@ impl Agent {
         msg: &[u8],
         deadline: Instant,
     ) -> Result<(), AgentError> {
-        let p = self.inner.peer(peer)?;
-        let peer_nic = p.metadata.as_ref().is_none_or(|m| m.nic);
+        // A peer that connected to us may be notified before we loaded its metadata: only a
+        // peer whose metadata says it has no NIC goes through the side channel.
+        let peer_nic = self
+            .inner
+            .peers
+            .load()
+            .get(peer)
+            .and_then(|p| p.metadata.as_ref().map(|m| m.nic))
+            .unwrap_or(true);
         if self.has_nic() && peer_nic {
             let conn = link::ensure(&self.inner, peer, 0, Some(deadline)).await?;
             return self.notify_checked(peer, conn, msg).await;
         }
+        let p = self.inner.peer(peer)?;
         if msg.is_empty() || msg.len() > MAX_NOTIFICATION {
             return Err(AgentError::NotificationTooLarge(msg.len()));
         }

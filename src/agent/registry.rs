@@ -117,6 +117,11 @@ struct RegInner {
 impl Drop for RegInner {
     fn drop(&mut self) {
         if let Some(a) = self.agent.upgrade() {
+            let measuring = lock(&a.auto_stage).remove(&self.id);
+            if measuring.is_some_and(|m| m.undecided()) {
+                a.auto_pending
+                    .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+            }
             a.regs.update(|regs| {
                 if regs.remove(&self.id).is_some_and(|r| r.staged.is_some()) {
                     a.staged_regs
@@ -427,17 +432,22 @@ impl Agent {
                 }
             });
         let binding = self.inner.bind_new(&region);
-        if region.registration().is_some() && !binding.gpudirect() {
-            tracing::info!(agent = %self.inner.name, nics = ?binding.nics, relation = %binding.relation, "GPU memory is across sockets from its NIC: Agent::calibrate_staging measures whether staging through host memory is faster");
+        let measure = region.registration().is_some() && !binding.gpudirect();
+        if measure {
+            tracing::info!(agent = %self.inner.name, nics = ?binding.nics, relation = %binding.relation, "GPU memory is across sockets from its NIC (or its locality is unknown): staging through host memory is measured against direct on its first transfers");
         }
-        Ok(self.add_registration(Reg {
+        let reg = self.add_registration(Reg {
             binding,
             staged: None,
             region,
             rails,
             visibility,
             export,
-        }))
+        });
+        if measure {
+            self.inner.arm_auto_stage(reg.id(), None);
+        }
+        Ok(reg)
     }
 
     /// Registers host memory the caller already owns (a serving engine's KV cache or weights),

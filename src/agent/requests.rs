@@ -290,9 +290,14 @@ impl Agent {
         let deadline = self.inner.deadline(&opts, t0);
         let p = self.inner.peer(peer)?;
         let (bytes, descriptors) = (local.total_len(), local.len());
+        let probe = self.staging_probe(&local);
         let r = self
             .post_on(&p, peer, op, local, remote, &opts, deadline)
             .await;
+        if let Some((id, way)) = probe {
+            let done = r.as_ref().ok().map(|_| (bytes, t0.elapsed()));
+            self.staging_probed(id, way, done);
+        }
         if r.is_ok() {
             self.inner
                 .record_rate(&p, op, bytes, descriptors, t0.elapsed());

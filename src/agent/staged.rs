@@ -79,6 +79,35 @@ pub struct StagingCalibration {
     pub staged_chosen: bool,
 }
 
+/// The automatic choice between direct and staged for one registration (GPU memory across
+/// sockets from its NIC, or one armed by [`Agent::measure_staging`]): its next transfer of at
+/// least [`STAGE_CHUNK`] bytes runs direct, the one after staged, both timed, then the faster
+/// is kept.
+#[derive(Clone)]
+pub(crate) struct AutoStage {
+    copier: Arc<dyn Copier>,
+    direct: Option<(u64, Duration)>,
+    staged: Option<(u64, Duration)>,
+    /// A measured transfer is running.
+    probing: bool,
+    /// The choice, once made.
+    decided: Option<StagingCalibration>,
+}
+
+impl AutoStage {
+    /// Whether the choice is still to be made.
+    pub(crate) fn undecided(&self) -> bool {
+        self.decided.is_none()
+    }
+}
+
+/// Which way a measured transfer runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Probe {
+    Direct,
+    Staged,
+}
+
 /// The registered staging area and its free slots.
 pub(crate) struct StageArea {
     reg: Registration,
@@ -205,21 +234,7 @@ impl Agent {
         if !reg.belongs_to(&self.inner) {
             return Err(AgentError::UnknownLocalRegion(reg.id()));
         }
-        let id = reg.id();
-        let copier = staged.then(|| StagedCopier(copier.unwrap_or_else(|| Arc::new(RegionCopier))));
-        tracing::info!(agent = %self.inner.name, region = id, staged, "registration staging set");
-        self.inner.regs.update(move |regs| {
-            if let Some(r) = regs.get(&id) {
-                let mut new = (**r).clone();
-                new.staged = copier;
-                regs.insert(id, Arc::new(new));
-            }
-            // Under the writers' lock: the count the transfer path looks at first.
-            let n = regs.values().filter(|r| r.staged.is_some()).count();
-            self.inner
-                .staged_regs
-                .store(n, std::sync::atomic::Ordering::Release);
-        });
+        self.inner.set_staged_id(reg.id(), staged, copier);
         Ok(())
     }
 
@@ -285,6 +300,111 @@ impl Agent {
             staged,
             staged_chosen,
         })
+    }
+
+    /// Arms the automatic choice for `reg`: its next transfer of at least [`STAGE_CHUNK`] bytes
+    /// runs direct, the one after staged through host memory (copied by `copier`, default the
+    /// region's own copy), both timed, and the faster is kept ([`Self::staging_choice`]). GPU
+    /// memory whose NIC is across sockets is armed at registration.
+    ///
+    /// # Errors
+    /// [`AgentError::UnknownLocalRegion`] for another agent's registration.
+    pub fn measure_staging(
+        &self,
+        reg: &Registration,
+        copier: Option<Arc<dyn Copier>>,
+    ) -> Result<(), AgentError> {
+        if !reg.belongs_to(&self.inner) {
+            return Err(AgentError::UnknownLocalRegion(reg.id()));
+        }
+        self.inner.arm_auto_stage(reg.id(), copier);
+        Ok(())
+    }
+
+    /// The choice the automatic measurement made for `reg` (`None`: not measured, or not yet).
+    pub fn staging_choice(&self, reg: &Registration) -> Option<StagingCalibration> {
+        if !reg.belongs_to(&self.inner) {
+            return None;
+        }
+        lock(&self.inner.auto_stage)
+            .get(&reg.id())
+            .and_then(|a| a.decided)
+    }
+
+    /// The measured transfer `local` is, if its registration's choice is being measured: the
+    /// registration and which way it runs (staged is set for it first).
+    pub(crate) fn staging_probe(&self, local: &LocalDescList) -> Option<(u64, Probe)> {
+        if self
+            .inner
+            .auto_pending
+            .load(std::sync::atomic::Ordering::Acquire)
+            == 0
+            || local.total_len() < STAGE_CHUNK
+        {
+            return None;
+        }
+        let r0 = local.regions().first()?;
+        let id = *self
+            .inner
+            .regs
+            .load()
+            .iter()
+            .find(|(_, g)| g.region.same(r0))?
+            .0;
+        let (probe, copier) = {
+            let mut auto = lock(&self.inner.auto_stage);
+            let a = auto.get_mut(&id)?;
+            if a.probing || a.decided.is_some() {
+                return None;
+            }
+            a.probing = true;
+            match a.direct {
+                None => (Probe::Direct, None),
+                Some(_) => (Probe::Staged, Some(Arc::clone(&a.copier))),
+            }
+        };
+        self.inner.set_staged_id(id, probe == Probe::Staged, copier);
+        Some((id, probe))
+    }
+
+    /// Records a measured transfer (`took` for `bytes`, `None` if it failed); once both ways are
+    /// timed, keeps the faster.
+    pub(crate) fn staging_probed(&self, id: u64, probe: Probe, done: Option<(u64, Duration)>) {
+        let decided = {
+            let mut auto = lock(&self.inner.auto_stage);
+            let Some(a) = auto.get_mut(&id) else { return };
+            a.probing = false;
+            match probe {
+                Probe::Direct => a.direct = done,
+                Probe::Staged => a.staged = done,
+            }
+            match (a.direct, a.staged) {
+                (Some(d), Some(s)) => {
+                    let rate = |(b, t): (u64, Duration)| b as f64 / t.as_secs_f64().max(1e-9);
+                    let staged_chosen = rate(s) > rate(d);
+                    let c = StagingCalibration {
+                        bytes: s.0,
+                        direct: Some(d.1),
+                        staged: s.1,
+                        staged_chosen,
+                    };
+                    a.decided = Some(c);
+                    self.inner
+                        .auto_pending
+                        .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+                    Some((c, Arc::clone(&a.copier)))
+                }
+                _ => None,
+            }
+        };
+        match decided {
+            Some((c, copier)) => {
+                tracing::info!(agent = %self.inner.name, region = id, direct = ?c.direct, staged = ?c.staged, staged_chosen = c.staged_chosen, "staging chosen by measurement");
+                self.inner.set_staged_id(id, c.staged_chosen, Some(copier));
+            }
+            // Not decided yet (or a measured transfer failed): direct until the next one.
+            None => self.inner.set_staged_id(id, false, None),
+        }
     }
 
     /// Whether `reg`'s transfers go through host memory.
@@ -512,5 +632,43 @@ impl Agent {
         st.staged_bytes = bytes;
         st.total = wall;
         Ok(st)
+    }
+}
+
+impl super::Inner {
+    /// Marks registration `id` staged (copied by `copier`, default the region's own copy) or
+    /// direct.
+    pub(crate) fn set_staged_id(&self, id: u64, staged: bool, copier: Option<Arc<dyn Copier>>) {
+        let copier = staged.then(|| StagedCopier(copier.unwrap_or_else(|| Arc::new(RegionCopier))));
+        tracing::debug!(agent = %self.name, region = id, staged, "registration staging set");
+        self.regs.update(move |regs| {
+            if let Some(r) = regs.get(&id) {
+                let mut new = (**r).clone();
+                new.staged = copier;
+                regs.insert(id, Arc::new(new));
+            }
+            // Under the writers' lock: the count the transfer path looks at first.
+            let n = regs.values().filter(|r| r.staged.is_some()).count();
+            self.staged_regs
+                .store(n, std::sync::atomic::Ordering::Release);
+        });
+    }
+
+    /// Arms the measured choice of registration `id` ([`Agent::measure_staging`]).
+    pub(crate) fn arm_auto_stage(&self, id: u64, copier: Option<Arc<dyn Copier>>) {
+        let fresh = AutoStage {
+            copier: copier.unwrap_or_else(|| Arc::new(RegionCopier)),
+            direct: None,
+            staged: None,
+            probing: false,
+            decided: None,
+        };
+        let was_pending = lock(&self.auto_stage)
+            .insert(id, fresh)
+            .is_some_and(|a| a.decided.is_none());
+        if !was_pending {
+            self.auto_pending
+                .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        }
     }
 }
