@@ -40,6 +40,22 @@ fn staged_writes_and_reads_go_through_bounded_slots_with_the_copy_overlapping_th
     let src = block_on(a.register(pieces as usize * piece as usize, Visibility::All)).expect("src");
     let dst = block_on(b.register(len as usize, Visibility::All)).expect("dst");
     let standin = common::StandIn::new(Duration::from_millis(2));
+    // One direct WRITE first: the connection is made before the staged transfer is timed.
+    let mut first = LocalDescList::new();
+    first.push(src.region(), 0, 4096);
+    let remote_first = [RemoteRef {
+        region: dst.id(),
+        offset: 0,
+        len: 4096,
+    }];
+    let peer = {
+        let addr = b.listen("127.0.0.1:0").expect("listen");
+        let peer = a
+            .fetch_remote_metadata(&addr.to_string())
+            .expect("metadata");
+        block_on(a.write(&peer, &first, &remote_first)).expect("direct warm-up");
+        peer
+    };
     a.set_staged(&src, true, Some(standin.clone() as Arc<dyn Copier>))
         .expect("stage");
     assert!(a.is_staged(&src));
@@ -54,10 +70,6 @@ fn staged_writes_and_reads_go_through_bounded_slots_with_the_copy_overlapping_th
         local.push(src.region(), i * piece, n);
         expect.extend_from_slice(&data[(i * piece) as usize..(i * piece + n) as usize]);
     }
-    let addr = b.listen("127.0.0.1:0").expect("listen");
-    let peer = a
-        .fetch_remote_metadata(&addr.to_string())
-        .expect("metadata");
     let remote = [RemoteRef {
         region: dst.id(),
         offset: 0,

@@ -483,7 +483,6 @@ impl Agent {
         deadline: Instant,
         copier: Arc<dyn Copier>,
     ) -> Result<TransferStats, AgentError> {
-        let t0 = Instant::now();
         let total = local.total_len();
         if total != remote.total_len() {
             return Err(AgentError::Transfer(
@@ -497,6 +496,9 @@ impl Agent {
         }
         let area = self.stage_area().await?;
         let rt = self.object_runtime()?;
+        // Wall time from here: the area's first registration and the I/O threads' start are
+        // set-up, not transfer.
+        let t0 = Instant::now();
         let chunks = total.div_ceil(STAGE_CHUNK).max(1) as usize;
         let parts = split_stream(&local, &remote, chunks, STAGE_CHUNK);
         if tracing::enabled!(tracing::Level::DEBUG) {
