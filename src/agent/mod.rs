@@ -17,6 +17,7 @@ mod conns;
 pub(crate) mod error;
 mod estimate;
 mod etcd;
+mod files;
 pub(crate) mod grants;
 mod handle;
 mod link;
@@ -46,6 +47,7 @@ pub use auth::{AuthError, ClusterKey};
 pub use config::{AgentConfig, PeerAccess, RemoteRef, Visibility};
 pub use error::AgentError;
 pub use etcd::MembershipCounters;
+pub use files::FileRegistration;
 pub use grants::GrantCounters;
 pub use handle::{CallOptions, Transfer, TransferStatus};
 pub use link::{LinkCounters, BACKOFF_MAX, BACKOFF_MIN};
@@ -53,7 +55,7 @@ pub use nics::{Bind, NicBinding};
 pub use notify::{
     Notification, Notifications, MAX_NOTIFICATION, NOTIFICATION_QUEUE, SIDE_NOTIFY_WAIT,
 };
-pub use registry::{FileRegistration, MemoryInfo, Registration, RegistrationCounters, Released};
+pub use registry::{MemoryInfo, Registration, RegistrationCounters, Released};
 pub use requests::{PreparedLocal, PreparedRemote, TransferRequest};
 pub use sidechannel::SideChannelCounters;
 pub use staged::{StagingCalibration, StagingCounters, STAGE_CHUNK, STAGE_SLOTS};

@@ -16,9 +16,10 @@ use crate::transport::{
 };
 
 use super::config::RemoteRef;
+use super::files::FileRegistration;
 use super::handle::{CallOptions, Transfer};
 use super::peers::{Peer, RegionKey};
-use super::registry::{FileRegistration, RailMap, Registration};
+use super::registry::{RailMap, Registration};
 use super::{link, Agent, AgentError};
 
 /// Local descriptors prepared once; requests select entries by index (NIXL's prep + make).

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::agent::error::AgentError;
-use crate::agent::registry::FileRegistration;
+use crate::agent::FileRegistration;
 use crate::gpudirect::gds::{Gds, GdsFile};
 use crate::runtime::{
     FileDesc, FileError, InvalidDescriptor, LocalDescList, Op, TransferError, TransferStats,
