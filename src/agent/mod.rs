@@ -180,12 +180,18 @@ impl Agent {
         if identity.insecure {
             tracing::warn!(agent = %name, "agent configured INSECURE: peers' names are not authenticated and metadata is not protected");
         }
-        let machine = match cfg.topology.clone() {
-            Some(m) => m,
-            None => Arc::new(match std::env::var_os("RIXL_TOPOLOGY_XML") {
-                Some(p) => crate::topology::hwloc::from_xml_file(std::path::Path::new(&p))?,
-                None => crate::nvlink::discover_machine(),
-            }),
+        let machine = match (cfg.topology.clone(), std::env::var_os("RIXL_TOPOLOGY_XML")) {
+            (Some(m), _) => m,
+            (None, Some(p)) => Arc::new(crate::topology::hwloc::from_xml_file(
+                std::path::Path::new(&p),
+            )?),
+            // Discovered once per process (hwloc and NVML take about 19 ms on the development
+            // VM): every agent of the process shares the model.
+            (None, None) => {
+                static MACHINE: std::sync::OnceLock<Arc<crate::topology::Machine>> =
+                    std::sync::OnceLock::new();
+                Arc::clone(MACHINE.get_or_init(|| Arc::new(crate::nvlink::discover_machine())))
+            }
         };
         let home_numa = machine.numa_of_cpu(cfg.cpu as u32);
         let mut devices = cfg.rails.clone();

@@ -54,10 +54,7 @@ impl NicBinding {
     /// Whether the memory reaches its NICs without a socket crossing (GPUDirect RDMA for GPU
     /// memory; always for host memory).
     pub fn gpudirect(&self) -> bool {
-        match self.location {
-            MemoryLocation::Gpu { .. } => self.relation <= crate::topology::GDR_MAX_RELATION,
-            MemoryLocation::Host { .. } => true,
-        }
+        crate::topology::reaches_directly(self.location, self.relation)
     }
 
     /// The bound rails as the bit mask metadata carries (bit `i`: rail `i`).
@@ -87,15 +84,20 @@ pub(crate) struct Nics {
 }
 
 impl Nics {
-    /// The binding of memory at `location`: the topology's choice among the agent's NICs.
-    pub fn choose(&self, location: MemoryLocation) -> NicBinding {
+    /// The topology's choice for memory at `location` among the agent's NICs.
+    pub fn choice(&self, location: MemoryLocation) -> NicChoice {
         let open: Vec<String> = self
             .names
             .iter()
             .filter(|n| !n.is_empty())
             .cloned()
             .collect();
-        let choice = self.machine.nic_choice(location, Some(&open));
+        self.machine.nic_choice(location, Some(&open))
+    }
+
+    /// The binding of memory at `location`: the topology's choice among the agent's NICs.
+    pub fn choose(&self, location: MemoryLocation) -> NicBinding {
+        let choice = self.choice(location);
         let rails: Vec<usize> = choice
             .nics
             .iter()
@@ -285,15 +287,7 @@ impl Agent {
     /// The topology's choice among this agent's NICs for memory at `location`: what a new
     /// registration there is bound to, and what `rixl topo --json --nics ...` prints.
     pub fn nic_choice(&self, location: MemoryLocation) -> NicChoice {
-        let open: Vec<String> = self
-            .inner
-            .nics
-            .names
-            .iter()
-            .filter(|n| !n.is_empty())
-            .cloned()
-            .collect();
-        self.inner.nics.machine.nic_choice(location, Some(&open))
+        self.inner.nics.choice(location)
     }
 
     /// The NICs `reg`'s transfers go on (`None`: another agent's registration).

@@ -508,15 +508,16 @@ impl Agent {
         let mut keys = Vec::new();
         let resolved = self.inner.resolve(peer, remote, Some(&mut keys))?;
         let p = self.inner.peer(peer)?;
+        let unreachable = super::nics::ipc_only_target(&p, &resolved.remote);
         let path = match self.route(&p, local, &resolved.remote) {
             Route::CudaIpc(_) => RequestPath::Planned {
                 local: local.clone(),
                 remote: resolved.remote,
             },
-            Route::Rdma if super::nics::ipc_only_target(&p, &resolved.remote).is_some() => {
+            Route::Rdma if unreachable.is_some() => {
                 return Err(AgentError::NotRdmaReachable {
                     peer: peer.to_string(),
-                    region: super::nics::ipc_only_target(&p, &resolved.remote).unwrap_or_default(),
+                    region: unreachable.unwrap_or_default(),
                 });
             }
             // Staged memory goes through the staging area at every post.

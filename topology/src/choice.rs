@@ -21,14 +21,19 @@ pub struct NicChoice {
 }
 
 impl NicChoice {
-    /// Whether GPU memory goes to these NICs directly (GPUDirect RDMA): they are no farther than
-    /// [`GDR_MAX_RELATION`]. Across sockets, or where locality is unknown, it is staged through
-    /// host memory when staging is allowed. Host memory is never staged.
+    /// Whether GPU memory goes to these NICs directly ([`reaches_directly`]).
     pub fn gpudirect(&self) -> bool {
-        match self.memory {
-            MemoryLocation::Gpu { .. } => self.relation <= GDR_MAX_RELATION,
-            MemoryLocation::Host { .. } => true,
-        }
+        reaches_directly(self.memory, self.relation)
+    }
+}
+
+/// Whether memory at `memory` goes directly to a NIC `relation` away: GPU memory when the NIC
+/// is no farther than [`GDR_MAX_RELATION`] (GPUDirect RDMA); across sockets, or where locality
+/// is unknown, it is staged through host memory when staging is allowed. Host memory always.
+pub fn reaches_directly(memory: MemoryLocation, relation: Relation) -> bool {
+    match memory {
+        MemoryLocation::Gpu { .. } => relation <= GDR_MAX_RELATION,
+        MemoryLocation::Host { .. } => true,
     }
 }
 

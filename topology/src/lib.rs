@@ -21,7 +21,7 @@ mod model;
 mod path;
 mod sysfs;
 
-pub use choice::NicChoice;
+pub use choice::{reaches_directly, NicChoice};
 pub use discover::{discover, normalize_pci, PciGpuLink};
 pub use hwloc::TopologyError;
 pub use model::{Bridge, Gpu, GpuLink, Machine, Nic, Numa, PciPlace, Relation};
