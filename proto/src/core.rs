@@ -41,9 +41,11 @@ pub struct CoreConfig {
     pub post_batch: u32,
     /// Signal at least every this many work requests (and the last of every batch).
     pub signal_interval: u32,
-    /// Coalesce small transfers: the first transfer of at most [`crate::COALESCE_MAX_WRS`] requests in
-    /// a progress turn on a connection is posted at once, those that follow it in the same turn
-    /// are queued and posted together by a flush ([`Core::flush`]).
+    /// Coalesce small transfers (on by default): a transfer of at most
+    /// [`crate::COALESCE_MAX_WRS`] requests is posted at once when no other transfer of the core
+    /// is in flight (a lone request-response loop never waits) or when it is the first of its
+    /// progress turn on its connection; otherwise it is queued and posted with the others of the
+    /// turn by a flush ([`Core::flush`]), one doorbell and few signals for many.
     pub coalesce: bool,
     /// Scatter/gather entries a READ may use (the device's `max_sge_rd`).
     pub max_sge_rd: u32,
@@ -56,7 +58,7 @@ impl Default for CoreConfig {
         CoreConfig {
             post_batch: 64,
             signal_interval: 32,
-            coalesce: false,
+            coalesce: true,
             max_sge_rd: 16,
             transfer_timeout: Duration::from_secs(30),
         }

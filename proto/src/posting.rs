@@ -305,12 +305,18 @@ impl<Q: SendQueue> Core<Q> {
         }
     }
 
-    /// Coalescing: whether a small transfer on `conn` is posted at once, because it is the
-    /// first of this progress turn and nothing is queued before it.
+    /// Coalescing: whether a small transfer on `conn` is posted at once, because it is the only
+    /// transfer in flight on this core (its own slot is open: nothing could share its doorbell,
+    /// and a task that posts, awaits and posts again must not wait for the end of a turn), or
+    /// the first of this progress turn with nothing queued before it.
     fn post_at_once(&mut self, conn: ConnId) -> bool {
+        let alone = self.inflight.len() <= 1;
         let turn = self.turn;
         match self.conns.get_mut(conn.0 as usize) {
-            Some(c) if c.pending.is_empty() && !c.flush_scheduled && c.immediate_turn != turn => {
+            Some(c)
+                if alone
+                    || (c.pending.is_empty() && !c.flush_scheduled && c.immediate_turn != turn) =>
+            {
                 c.immediate_turn = turn;
                 true
             }

@@ -34,8 +34,10 @@ struct Fx {
     keep: Keep,
 }
 
+/// Every transfer posted at once (coalescing, the default, has its own tests below).
 fn config() -> CoreConfig {
     let mut cfg = CoreConfig::default();
+    cfg.coalesce = false;
     cfg.post_batch = 64;
     cfg.signal_interval = 4;
     cfg.transfer_timeout = TIMEOUT;
@@ -759,6 +761,25 @@ fn coalescing_posts_the_first_small_transfer_of_a_turn_at_once() {
     assert!(!p.queued());
     assert_eq!(fx.nic.doorbells(), 1);
     assert!(!fx.core.take_flush_request(fx.conn));
+}
+
+#[test]
+fn coalescing_posts_a_transfer_alone_in_flight_at_once_even_later_in_the_turn() {
+    // A task that posts, awaits and posts again (a request-response loop; on rxe the completion
+    // is often there before the future first waits, so no progress turn passes in between).
+    let mut fx = coalescing();
+    for i in 0..4 {
+        let mut p = fx.write(1);
+        assert!(!p.queued(), "transfer {i} was alone: posted at once");
+        fx.nic.complete_all();
+        fx.reap();
+        assert_eq!(fx.poll_noop(&mut p), Poll::Ready(Ok(())));
+    }
+    assert_eq!(fx.nic.doorbells(), 4);
+    assert_eq!(fx.core.counters().queued, 0);
+    // With one still in flight, the next small one of the same turn is queued.
+    let _a = fx.write(1);
+    assert!(fx.write(1).queued());
 }
 
 #[test]

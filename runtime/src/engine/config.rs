@@ -54,16 +54,15 @@ pub struct EngineConfig {
     /// Measure per-transfer prepare/post/total times in [`crate::TransferStats`] (off by default: it
     /// reads the clock several times per transfer, which is costly on some clock sources).
     pub timing: bool,
-    /// Coalesce small transfers (off by default): the first transfer of at most
-    /// [`rixl_proto::COALESCE_MAX_WRS`] work requests in a progress turn on a connection is posted at once;
-    /// those that follow it in the same turn are queued and posted together at the end of the
-    /// turn, up to `post_batch` requests per doorbell, and only the batch's last request (plus
-    /// every [`rixl_proto::COALESCE_SIGNAL_INTERVAL`]-th) is signaled; the others complete with it (RC
-    /// completes in order). On rxe, 128 concurrent one-request writes went from one doorbell
-    /// and one completion per request to about 30 requests per doorbell and 8 per completion,
-    /// and 64 B message rate rose by 15-40 %. The cost is for a task that posts transfers one
-    /// after another without waiting in between (on rxe a completion is often there before
-    /// the future first waits): every other one waits for the end of the turn.
+    /// Coalesce small transfers (on by default; see [`rixl_proto::CoreConfig::coalesce`]): a
+    /// transfer of at most [`rixl_proto::COALESCE_MAX_WRS`] work requests is posted at once
+    /// when it is the only transfer in flight on the engine or the first of its progress turn
+    /// on its connection; the others of the turn are queued and posted together at its end, up
+    /// to `post_batch` requests per doorbell, and only the batch's last request (plus every
+    /// [`rixl_proto::COALESCE_SIGNAL_INTERVAL`]-th) is signaled; the others complete with it
+    /// (RC completes in order). A request-response loop (one transfer at a time) is never
+    /// queued; many concurrent small transfers share doorbells and completions. `false`
+    /// posts every transfer at once with its own doorbell.
     pub coalesce: bool,
     /// How long an engine's core spins for new work before it sleeps (glommio's
     /// `spin_before_park`; zero: it sleeps at once). A sleeping core takes a cross-thread
@@ -101,7 +100,7 @@ impl Default for EngineConfig {
             transfer_timeout: Duration::from_secs(30),
             recv_spin_polls: 50_000,
             timing: false,
-            coalesce: false,
+            coalesce: true,
             spin_before_park: Duration::from_micros(100),
             require_nic: true,
             file: crate::file::FileConfig::default(),

@@ -96,7 +96,8 @@ pub struct Args {
     pub report_gbits: bool,
     pub out_json: Option<String>,
     pub poll_mode: PollMode,
-    /// Coalesce small transfers' doorbells and signals (`--coalesce`; off by default).
+    /// Coalesce small transfers' doorbells and signals (the engine's default; `--no-coalesce`
+    /// turns it off).
     pub coalesce: bool,
     /// Prepare each transfer once and re-post it (`--prepared`: `Engine::prepare` + `post`).
     pub prepared: bool,
@@ -180,9 +181,13 @@ pub struct PerftestArgs {
     #[arg(long = "poll-mode", value_name = "MODE", value_enum, default_value_t = PollArg::Busy,
           help_heading = "rixl options")]
     poll_mode: PollArg,
-    /// Share doorbells and signaled completions among small transfers
+    /// Share doorbells and signaled completions among concurrent small transfers (the default;
+    /// kept for scripts that pass it)
     #[arg(long = "coalesce", help_heading = "rixl options")]
     coalesce: bool,
+    /// Post every transfer with its own doorbell (coalescing off)
+    #[arg(long = "no-coalesce", conflicts_with = "coalesce", help_heading = "rixl options")]
+    no_coalesce: bool,
     /// Check and plan each transfer once, then re-post it (like NIXL's prepared transfer
     /// requests; READ/WRITE tests)
     #[arg(long = "prepared", help_heading = "rixl options")]
@@ -245,7 +250,7 @@ impl PerftestArgs {
                 .out_json_file
                 .or_else(|| self.out_json.then(|| "perftest_out.json".into())),
             poll_mode: self.poll_mode.into(),
-            coalesce: self.coalesce,
+            coalesce: !self.no_coalesce,
             prepared: self.prepared,
             notify: self.notify,
             engines: self.engines,
@@ -486,6 +491,10 @@ mod tests {
                 .expect("ok");
         assert_eq!((a.post_list, a.prepared, a.coalesce), (16, true, true));
         assert!(p("write_lat -d rxe0 -x 1 -s 64 -n 5000 -F --notify imm 127.0.0.1").is_ok());
+        // Coalescing is the default; --no-coalesce turns it off.
+        assert!(p("write_bw").expect("ok").coalesce);
+        assert!(!p("write_bw --no-coalesce").expect("ok").coalesce);
+        assert!(p("write_bw --coalesce --no-coalesce").is_err());
         assert!(p("write_bw -d rxe0 -x 1 -s 4096 -n 1000 -F -t 1 -p 18601 127.0.0.1").is_ok());
     }
 

@@ -771,13 +771,11 @@ fn banner(a: &Args) {
             String::new()
         }
     );
-    if a.prepared || a.coalesce {
-        println!(
-            " Prepared transfers: {} | Coalescing: {}",
-            if a.prepared { "on" } else { "off" },
-            if a.coalesce { "on" } else { "off" }
-        );
-    }
+    println!(
+        " Prepared transfers: {} | Coalescing: {}",
+        if a.prepared { "on" } else { "off" },
+        if a.coalesce { "on" } else { "off" }
+    );
     println!("{line}");
 }
 
