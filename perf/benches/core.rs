@@ -10,7 +10,7 @@ use std::hint::black_box;
 use std::rc::Rc;
 use std::task::{Context, Poll, Waker};
 
-use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use rixl_proto::credits::SendCredits;
 use rixl_proto::inflight::InflightTable;
 use rixl_proto::plan::{plan, Limits};
@@ -19,6 +19,9 @@ use rixl_proto::{
     RemoteDesc, SendFlags, SendOp, SendQueue, Sge, TransferOptions,
 };
 use rixl_verbs::{Endpoint, Gid, Mtu, SendBatch};
+
+#[path = "core_stages.rs"]
+mod stages;
 
 const REGION: RegionInfo = RegionInfo {
     addr: 0x7f00_0000_0000,
@@ -289,9 +292,25 @@ fn bench_null_qp(c: &mut Criterion) {
 criterion_group!(
     benches,
     bench_null_qp,
+    stages::bench_null_qp_await,
     bench_plan,
     bench_inflight,
     bench_credits,
     bench_endpoint
 );
-criterion_main!(benches);
+fn main() {
+    benches();
+    // The stage table runs with a `null_qp` filter or none; with criterion's test mode (no
+    // `--bench`: `cargo test --benches`) on fewer transfers.
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let filter = args.iter().find(|a| !a.starts_with('-'));
+    if filter.is_none_or(|f| "null_qp_stages".contains(f.as_str())) {
+        let n = if args.iter().any(|a| a == "--bench") {
+            200_000
+        } else {
+            2_000
+        };
+        stages::print_stage_table(n);
+    }
+    Criterion::default().configure_from_args().final_summary();
+}

@@ -41,6 +41,54 @@ pub const COALESCE_MAX_WRS: usize = 4;
 /// in small groups rather than all at the end of the batch.
 pub const COALESCE_SIGNAL_INTERVAL: u32 = 8;
 
+/// Coalescing learns from its flushes: after this many flushes in a row that posted a single
+/// transfer (nothing joined the queued one: a task that posts, awaits and posts again), the
+/// connection posts its small transfers at once.
+pub const COALESCE_LONELY_FLUSHES: u32 = 8;
+
+/// A connection that posts its small transfers at once queues every this-many-th one (when it
+/// is not the first of its turn) to see whether others would join it; if they do, it
+/// coalesces again.
+pub const COALESCE_PROBE_EVERY: u32 = 64;
+
+/// What coalescing has learned about a connection's small transfers.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct CoalesceMode {
+    /// Small transfers are posted at once (recent flushes found no company).
+    pub direct: bool,
+    /// Flushes in a row that posted one transfer.
+    pub lonely: u32,
+    /// Transfers the current flush has posted.
+    pub round: u32,
+    /// Small transfers seen in direct mode (every [`COALESCE_PROBE_EVERY`]-th probes).
+    pub seen: u32,
+}
+
+impl CoalesceMode {
+    /// A flush emptied the queue: learn from how many transfers it posted.
+    pub fn flushed(&mut self) {
+        if self.round >= 2 {
+            self.lonely = 0;
+            self.direct = false;
+        } else {
+            self.lonely = self.lonely.saturating_add(1);
+            if self.lonely >= COALESCE_LONELY_FLUSHES {
+                self.direct = true;
+            }
+        }
+        self.round = 0;
+    }
+
+    /// In direct mode, whether this small transfer is posted at once (not a probe).
+    pub fn bypass(&mut self) -> bool {
+        if !self.direct {
+            return false;
+        }
+        self.seen = self.seen.wrapping_add(1);
+        !self.seen.is_multiple_of(COALESCE_PROBE_EVERY)
+    }
+}
+
 /// Messages a connection holds for its reader. Past it, a receive buffer is posted again only
 /// as the reader takes a message: a sender that outpaces its reader meets receiver-not-ready
 /// back-pressure from the NIC (and, past its retries or its deadline, a typed error) instead of
@@ -82,6 +130,8 @@ pub(crate) struct Connection<Q> {
     pub flush_scheduled: bool,
     /// The progress turn in which a small transfer was last posted at once.
     pub immediate_turn: u64,
+    /// What coalescing learned of this connection's traffic.
+    pub mode: CoalesceMode,
 }
 
 impl<Q> Connection<Q> {
@@ -101,6 +151,7 @@ impl<Q> Connection<Q> {
             pending: VecDeque::new(),
             flush_scheduled: false,
             immediate_turn: 0,
+            mode: CoalesceMode::default(),
         }
     }
 

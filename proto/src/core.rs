@@ -41,11 +41,13 @@ pub struct CoreConfig {
     pub post_batch: u32,
     /// Signal at least every this many work requests (and the last of every batch).
     pub signal_interval: u32,
-    /// Coalesce small transfers (on by default): a transfer of at most
-    /// [`crate::COALESCE_MAX_WRS`] requests is posted at once when no other transfer of the core
-    /// is in flight (a lone request-response loop never waits) or when it is the first of its
-    /// progress turn on its connection; otherwise it is queued and posted with the others of the
-    /// turn by a flush ([`Core::flush`]), one doorbell and few signals for many.
+    /// Coalesce small transfers (on by default): the first transfer of at most
+    /// [`crate::COALESCE_MAX_WRS`] requests in a progress turn on a connection is posted at
+    /// once, those that follow it in the same turn are queued and posted together by a flush
+    /// ([`Core::flush`]). A connection whose flushes keep finding a single transfer (a task
+    /// that posts, awaits and posts again, so nothing joins it) learns to post at once, and
+    /// probes now and then whether concurrent transfers would join
+    /// ([`crate::COALESCE_LONELY_FLUSHES`], [`crate::COALESCE_PROBE_EVERY`]).
     pub coalesce: bool,
     /// Scatter/gather entries a READ may use (the device's `max_sge_rd`).
     pub max_sge_rd: u32,
@@ -284,6 +286,20 @@ impl<Q: SendQueue> Core<Q> {
         conn: ConnId,
         cx: &mut Context<'_>,
     ) -> Poll<Result<Message, TransferError>> {
+        self.take_message(conn, Some(cx))
+    }
+
+    /// The next message of `conn`, or its error, without registering a waker (a receiver that
+    /// reaps the CQ itself does not wake itself).
+    pub fn try_recv(&mut self, conn: ConnId) -> Poll<Result<Message, TransferError>> {
+        self.take_message(conn, None)
+    }
+
+    fn take_message(
+        &mut self,
+        conn: ConnId,
+        cx: Option<&mut Context<'_>>,
+    ) -> Poll<Result<Message, TransferError>> {
         let Some(c) = self.conns.get_mut(conn.0 as usize) else {
             return Poll::Ready(Err(unknown(conn.0)));
         };
@@ -303,7 +319,9 @@ impl<Q: SendQueue> Core<Q> {
         if let Err(e) = c.check_live(conn.0) {
             return Poll::Ready(Err(e));
         }
-        c.inbox_waiter = Some(cx.waker().clone());
+        if let Some(cx) = cx {
+            c.inbox_waiter = Some(cx.waker().clone());
+        }
         Poll::Pending
     }
 

@@ -24,7 +24,8 @@ pub mod stats;
 pub mod wire;
 
 pub use crate::conn::{
-    ConnParams, ConnState, COALESCE_MAX_WRS, COALESCE_SIGNAL_INTERVAL, INBOX_LIMIT,
+    ConnParams, ConnState, COALESCE_LONELY_FLUSHES, COALESCE_MAX_WRS, COALESCE_PROBE_EVERY,
+    COALESCE_SIGNAL_INTERVAL, INBOX_LIMIT,
 };
 pub use crate::core::{recv_wr_id, Activity, Core, CoreConfig, RECV_BIT};
 pub use crate::deadline::{Deadline, Deadlines};

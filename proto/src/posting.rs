@@ -305,22 +305,24 @@ impl<Q: SendQueue> Core<Q> {
         }
     }
 
-    /// Coalescing: whether a small transfer on `conn` is posted at once, because it is the only
-    /// transfer in flight on this core (its own slot is open: nothing could share its doorbell,
-    /// and a task that posts, awaits and posts again must not wait for the end of a turn), or
-    /// the first of this progress turn with nothing queued before it.
+    /// Coalescing: whether a small transfer on `conn` is posted at once: the first of this
+    /// progress turn with nothing queued before it, or any while the connection's flushes find
+    /// no company (but for a probe now and then; see [`crate::COALESCE_LONELY_FLUSHES`]).
     fn post_at_once(&mut self, conn: ConnId) -> bool {
-        let alone = self.inflight.len() <= 1;
         let turn = self.turn;
         match self.conns.get_mut(conn.0 as usize) {
-            Some(c)
-                if alone
-                    || (c.pending.is_empty() && !c.flush_scheduled && c.immediate_turn != turn) =>
-            {
-                c.immediate_turn = turn;
-                true
+            Some(c) => {
+                let idle = c.pending.is_empty() && !c.flush_scheduled;
+                // Nothing queued may be overtaken, so a probe in the queue collects the
+                // transfers that follow it in its turn.
+                if idle && (c.immediate_turn != turn || c.mode.bypass()) {
+                    c.immediate_turn = turn;
+                    true
+                } else {
+                    false
+                }
             }
-            _ => false,
+            None => false,
         }
     }
 
@@ -367,6 +369,7 @@ impl<Q: SendQueue> Core<Q> {
             };
             let Some(need) = c.pending.front().map(|q| q.count.max(1)) else {
                 c.flush_scheduled = false;
+                c.mode.flushed();
                 return Poll::Ready(());
             };
             let result = match c.check_ready(conn.0) {
@@ -463,6 +466,7 @@ impl<Q: SendQueue> Core<Q> {
                 finished.push(q.slot);
             }
         }
+        c.mode.round = c.mode.round.saturating_add(finished.len() as u32);
         for s in finished {
             inflight.finish_posting(s);
         }

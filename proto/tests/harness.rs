@@ -763,23 +763,56 @@ fn coalescing_posts_the_first_small_transfer_of_a_turn_at_once() {
     assert!(!fx.core.take_flush_request(fx.conn));
 }
 
+/// Flushes the queue, completes everything and takes `ps`' results.
+fn flush_and_complete(fx: &mut Fx, ps: &mut [Posting]) {
+    assert!(fx.core.take_flush_request(fx.conn));
+    assert!(fx
+        .core
+        .flush(fx.conn, &mut Context::from_waker(Waker::noop()))
+        .is_ready());
+    fx.nic.complete_all();
+    fx.reap();
+    for p in ps {
+        assert_eq!(fx.poll_noop(p), Poll::Ready(Ok(())));
+    }
+}
+
 #[test]
-fn coalescing_posts_a_transfer_alone_in_flight_at_once_even_later_in_the_turn() {
-    // A task that posts, awaits and posts again (a request-response loop; on rxe the completion
-    // is often there before the future first waits, so no progress turn passes in between).
+fn coalescing_learns_to_post_at_once_when_nothing_joins_the_queue_and_probes_back() {
+    // A task that posts, awaits and posts again within one progress turn (on rxe the
+    // completion is often there before the future first waits, so no turn passes).
     let mut fx = coalescing();
-    for i in 0..4 {
+    let mut first = fx.write(1);
+    assert!(!first.queued(), "the first of the turn");
+    fx.nic.complete_all();
+    fx.reap();
+    assert_eq!(fx.poll_noop(&mut first), Poll::Ready(Ok(())));
+    for i in 0..rixl_proto::COALESCE_LONELY_FLUSHES {
         let mut p = fx.write(1);
-        assert!(!p.queued(), "transfer {i} was alone: posted at once");
+        assert!(p.queued(), "transfer {i}: later in the turn, queued");
+        flush_and_complete(&mut fx, std::slice::from_mut(&mut p));
+    }
+    // Every flush posted one transfer: the connection posts at once now, but for a probe.
+    let queued = fx.core.counters().queued;
+    for i in 1..rixl_proto::COALESCE_PROBE_EVERY {
+        let mut p = fx.write(1);
+        assert!(!p.queued(), "transfer {i} posted at once");
         fx.nic.complete_all();
         fx.reap();
         assert_eq!(fx.poll_noop(&mut p), Poll::Ready(Ok(())));
     }
-    assert_eq!(fx.nic.doorbells(), 4);
-    assert_eq!(fx.core.counters().queued, 0);
-    // With one still in flight, the next small one of the same turn is queued.
-    let _a = fx.write(1);
-    assert!(fx.write(1).queued());
+    assert_eq!(fx.core.counters().queued, queued);
+    // The probe is queued, and a transfer that comes while it waits joins it rather than
+    // overtaking it: that flush found company, so the connection coalesces again.
+    let probe = fx.write(1);
+    assert!(probe.queued(), "the probe");
+    let joined = fx.write(1);
+    assert!(joined.queued(), "joins the probe");
+    flush_and_complete(&mut fx, &mut [probe, joined]);
+    let mut again = fx.write(1);
+    assert!(again.queued(), "coalescing again");
+    flush_and_complete(&mut fx, std::slice::from_mut(&mut again));
+    assert_eq!(fx.held(), 0);
 }
 
 #[test]

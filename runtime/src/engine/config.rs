@@ -51,6 +51,12 @@ pub struct EngineConfig {
     /// Busy mode: how many empty polls after the last activity the engine keeps spinning for
     /// awaited receives before it falls back to polling every 200 µs.
     pub recv_spin_polls: u32,
+    /// CQ polls a waiting transfer makes itself when it is the only one in flight on the engine
+    /// (and a receive when nothing is in flight) before it waits for the progress task's
+    /// wake-up: the completion mode of a lone request-response loop, which then costs no
+    /// executor turn. 0 turns it off (every wait after the first poll goes through the
+    /// progress task).
+    pub spin_polls: u32,
     /// Measure per-transfer prepare/post/total times in [`crate::TransferStats`] (off by default: it
     /// reads the clock several times per transfer, which is costly on some clock sources).
     pub timing: bool,
@@ -99,6 +105,7 @@ impl Default for EngineConfig {
             poll_mode: PollMode::Busy,
             transfer_timeout: Duration::from_secs(30),
             recv_spin_polls: 50_000,
+            spin_polls: 256,
             timing: false,
             coalesce: true,
             spin_before_park: Duration::from_micros(100),

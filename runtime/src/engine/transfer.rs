@@ -326,7 +326,41 @@ impl Engine {
     pub async fn recv(&self, conn: ConnId) -> Result<Message, TransferError> {
         let inner = Rc::clone(&self.inner);
         poll_fn(|cx| {
-            let r = inner.core.borrow_mut().poll_recv(conn, cx);
+            let mut core = inner.core.borrow_mut();
+            let r = core.try_recv(conn);
+            if r.is_ready() {
+                return r;
+            }
+            let mut wcs = [WorkCompletion::default(); REAP_NOW_BATCH];
+            let mut out = [Completion::success(0, 0); REAP_NOW_BATCH];
+            // Nothing in flight on the engine (a request-response loop waiting for its
+            // answer): poll the CQ here for a while, as a waiting transfer alone does, instead
+            // of waiting for the progress task's wake-up.
+            let polls = if core.inflight_len() == 0 {
+                inner.cfg.spin_polls.max(1)
+            } else {
+                1
+            };
+            for _ in 0..polls {
+                let mut cq = VerbsCq {
+                    cq: &inner.cq,
+                    wcs: &mut wcs,
+                    failed: &inner.cq_failed,
+                };
+                if core.reap(&mut cq, &mut out) > 0 {
+                    inner.quiet_polls.set(0);
+                    let r = core.try_recv(conn);
+                    if r.is_ready() {
+                        return r;
+                    }
+                }
+                if inner.cq_failed.get() {
+                    break;
+                }
+                std::hint::spin_loop();
+            }
+            let r = core.poll_recv(conn, cx);
+            drop(core);
             if r.is_pending() {
                 inner.kick_progress();
             }
@@ -564,6 +598,12 @@ async fn flush_queue(inner: Rc<Inner>, conn: ConnId) {
 /// completion in the CQ ends without a round trip through the progress task (on a fast device
 /// the completion often arrives before the future first waits); the waker is registered only
 /// after that reap, so such a future does not wake itself.
+///
+/// The completion mode follows from what is in flight: a transfer alone on its engine (a
+/// request-response loop, a lone small READ) polls the CQ itself for up to
+/// [`EngineConfig::spin_polls`](super::EngineConfig::spin_polls) polls before it waits, as perftest's loop does, so its completion costs no wake-up and no
+/// executor turn; with other transfers in flight it polls once and leaves the rest to the
+/// progress task, which serves them all.
 pub(super) async fn wait_slot(guard: &mut SlotGuard) -> Result<(), TransferError> {
     let inner = Rc::clone(&guard.inner);
     let r = poll_fn(|cx| {
@@ -571,15 +611,31 @@ pub(super) async fn wait_slot(guard: &mut SlotGuard) -> Result<(), TransferError
         if let Poll::Ready(r) = core.try_finish(&mut guard.posting) {
             return Poll::Ready(r);
         }
+        // On the stack of this poll, not in the future (which every `.await` moves).
         let mut wcs = [WorkCompletion::default(); REAP_NOW_BATCH];
         let mut out = [Completion::success(0, 0); REAP_NOW_BATCH];
-        let mut cq = VerbsCq {
-            cq: &inner.cq,
-            wcs: &mut wcs,
-            failed: &inner.cq_failed,
+        let polls = if core.inflight_len() <= 1 {
+            inner.cfg.spin_polls.max(1)
+        } else {
+            1
         };
-        if core.reap(&mut cq, &mut out) > 0 {
-            inner.quiet_polls.set(0);
+        for _ in 0..polls {
+            let mut cq = VerbsCq {
+                cq: &inner.cq,
+                wcs: &mut wcs,
+                failed: &inner.cq_failed,
+            };
+            if core.reap(&mut cq, &mut out) > 0 {
+                inner.quiet_polls.set(0);
+                if let Poll::Ready(r) = core.try_finish(&mut guard.posting) {
+                    probe::stamp(Point::Reaped);
+                    return Poll::Ready(r);
+                }
+            }
+            if inner.cq_failed.get() {
+                break;
+            }
+            std::hint::spin_loop();
         }
         probe::stamp(Point::Reaped);
         core.poll_finish(&mut guard.posting, cx)

@@ -96,6 +96,8 @@ pub struct Args {
     pub report_gbits: bool,
     pub out_json: Option<String>,
     pub poll_mode: PollMode,
+    /// CQ polls a lone waiting transfer makes itself (`EngineConfig::spin_polls`).
+    pub spin_polls: Option<u32>,
     /// Coalesce small transfers' doorbells and signals (the engine's default; `--no-coalesce`
     /// turns it off).
     pub coalesce: bool,
@@ -181,12 +183,20 @@ pub struct PerftestArgs {
     #[arg(long = "poll-mode", value_name = "MODE", value_enum, default_value_t = PollArg::Busy,
           help_heading = "rixl options")]
     poll_mode: PollArg,
+    /// CQ polls a transfer alone in flight makes itself before it waits for the engine's
+    /// progress task (0: none; default: the engine's)
+    #[arg(long = "spin-polls", value_name = "N", help_heading = "rixl options")]
+    spin_polls: Option<u32>,
     /// Share doorbells and signaled completions among concurrent small transfers (the default;
     /// kept for scripts that pass it)
     #[arg(long = "coalesce", help_heading = "rixl options")]
     coalesce: bool,
     /// Post every transfer with its own doorbell (coalescing off)
-    #[arg(long = "no-coalesce", conflicts_with = "coalesce", help_heading = "rixl options")]
+    #[arg(
+        long = "no-coalesce",
+        conflicts_with = "coalesce",
+        help_heading = "rixl options"
+    )]
     no_coalesce: bool,
     /// Check and plan each transfer once, then re-post it (like NIXL's prepared transfer
     /// requests; READ/WRITE tests)
@@ -250,6 +260,7 @@ impl PerftestArgs {
                 .out_json_file
                 .or_else(|| self.out_json.then(|| "perftest_out.json".into())),
             poll_mode: self.poll_mode.into(),
+            spin_polls: self.spin_polls,
             coalesce: !self.no_coalesce,
             prepared: self.prepared,
             notify: self.notify,
@@ -495,6 +506,11 @@ mod tests {
         assert!(p("write_bw").expect("ok").coalesce);
         assert!(!p("write_bw --no-coalesce").expect("ok").coalesce);
         assert!(p("write_bw --coalesce --no-coalesce").is_err());
+        assert_eq!(
+            p("read_lat --spin-polls 0").expect("ok").spin_polls,
+            Some(0)
+        );
+        assert_eq!(p("read_lat").expect("ok").spin_polls, None);
         assert!(p("write_bw -d rxe0 -x 1 -s 4096 -n 1000 -F -t 1 -p 18601 127.0.0.1").is_ok());
     }
 

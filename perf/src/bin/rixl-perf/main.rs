@@ -97,6 +97,9 @@ fn engine_config(a: &Args, test: Test, max_size: u64, tx_depth: u32, conns: u32)
     cfg.connect.port = a.ib_port;
     cfg.poll_mode = a.poll_mode;
     cfg.coalesce = a.coalesce;
+    if let Some(n) = a.spin_polls {
+        cfg.spin_polls = n;
+    }
     cfg.max_connections = conns.max(1);
     cfg.send_queue_depth = tx_depth.clamp(64, 1024);
     cfg.post_batch = 64;

@@ -1,0 +1,395 @@
+//! One 1-descriptor 64 B WRITE through the transfer core, stage by stage, as the engine's transfer
+//! future runs it (`runtime/src/engine/transfer.rs`), on a null queue pair: the NIC is out of
+//! the number, the software path is all of it. Two shapes:
+//! - **wait**: the completion is not there when the future first looks (a real NIC's round
+//!   trip): the future registers its waker and arms its deadline, the progress side reaps the
+//!   completion and wakes it (a real `Waker`), the future is polled again and takes its result;
+//! - **reap**: the completion is there when the future first looks (rxe, which completes inside
+//!   the post): the future reaps it itself and ends in its first poll, with no wake.
+//!
+//! Each stage is timed with the cycle counter and reported as the median over many transfers
+//! (the counter read's own cost, measured the same way, is taken off each stage); criterion
+//! times the whole path of each shape.
+
+use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
+use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+
+use criterion::{Criterion, Throughput};
+use rixl_proto::{
+    Completion, CompletionSource, ConnId, ConnParams, Core, CoreConfig, LocalDesc, Op, Plan,
+    RegionInfo, RemoteDesc, SendFlags, SendOp, SendQueue, Sge, TransferOptions, TransferStats,
+};
+use rixl_verbs::SendBatch;
+
+const REGION: RegionInfo = RegionInfo {
+    addr: 0x7f00_0000_0000,
+    len: 1 << 30,
+    lkey: 0x1234,
+};
+
+/// Completions a waiting future reaps at once (the engine's `REAP_NOW_BATCH`).
+const REAP_NOW: usize = 8;
+
+/// A null queue pair that holds its completions until [`NullNic::complete`] (the NIC's round
+/// trip), or puts them in the CQ at the doorbell (`at_doorbell`).
+struct HeldQp {
+    batch: SendBatch,
+    signaled: Vec<u64>,
+    nic: Rc<NullNic>,
+}
+
+#[derive(Default)]
+struct NullNic {
+    at_doorbell: Cell<bool>,
+    held: RefCell<Vec<u64>>,
+    cq: RefCell<VecDeque<Completion>>,
+}
+
+impl NullNic {
+    fn complete(&self) {
+        let mut cq = self.cq.borrow_mut();
+        cq.extend(
+            self.held
+                .borrow_mut()
+                .drain(..)
+                .map(|w| Completion::success(1, w)),
+        );
+    }
+}
+
+impl SendQueue for HeldQp {
+    type Keep = SmallKeep;
+    type Error = std::convert::Infallible;
+
+    fn qpn(&self) -> u32 {
+        1
+    }
+
+    fn push(&mut self, wr_id: u64, op: SendOp, sges: &[Sge], flags: SendFlags) {
+        self.batch.push(wr_id, op, sges, flags);
+        if flags.signaled {
+            self.signaled.push(wr_id);
+        }
+    }
+
+    fn post(&mut self, keeps: &[&SmallKeep]) -> Result<(), Self::Error> {
+        std::hint::black_box((keeps, self.batch.len()));
+        self.batch.clear();
+        self.nic.held.borrow_mut().extend(self.signaled.drain(..));
+        if self.nic.at_doorbell.get() {
+            self.nic.complete();
+        }
+        Ok(())
+    }
+
+    fn set_error(&mut self) -> Result<(), Self::Error> {
+        Ok(())
+    }
+
+    fn read_received(&mut self, _index: u32, len: u32) -> Vec<u8> {
+        vec![0; len as usize]
+    }
+
+    fn repost_recv(&mut self, _wr_id: u64, _index: u32) -> Result<(), Self::Error> {
+        Ok(())
+    }
+}
+
+struct HeldCq<'a>(&'a NullNic);
+
+impl CompletionSource for HeldCq<'_> {
+    fn poll(&mut self, out: &mut [Completion]) -> usize {
+        let mut q = self.0.cq.borrow_mut();
+        let n = out.len().min(q.len());
+        for (o, c) in out.iter_mut().zip(q.drain(..n)) {
+            *o = c;
+        }
+        n
+    }
+}
+
+/// What the engine's slot keeps alive: the local regions (reference-counted handles).
+type SmallKeep = smallvec::SmallVec<[Rc<()>; 2]>;
+
+/// A task's waker: counts wake-ups, as an executor's run queue would receive them.
+struct Task(AtomicUsize);
+
+impl Wake for Task {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, Ordering::Release);
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.fetch_add(1, Ordering::Release);
+    }
+}
+
+/// The stages, in order.
+const STAGES: [&str; 6] = [
+    "check + plan (descriptor checked, work request planned)",
+    "in-flight slot (keep-alive of the regions)",
+    "build + doorbell (ibv_send_wr into the batch, null post)",
+    "first wait (own CQ reaped, waker registered, deadline armed)",
+    "completion (reaped, routed, future woken)",
+    "result (polled again, result taken, plan recycled, stats)",
+];
+
+struct Fixture {
+    core: Core<HeldQp>,
+    nic: Rc<NullNic>,
+    conn: ConnId,
+    region: Rc<()>,
+    local: [LocalDesc; 1],
+    remote: [RemoteDesc; 1],
+    task: Arc<Task>,
+    waker: Waker,
+}
+
+impl Fixture {
+    fn new() -> Self {
+        let nic = Rc::new(NullNic::default());
+        let mut core = Core::new(CoreConfig::default());
+        let conn = core.add_connection(
+            HeldQp {
+                batch: SendBatch::with_capacity(64, 4),
+                signaled: Vec::new(),
+                nic: Rc::clone(&nic),
+            },
+            ConnParams {
+                send_queue_depth: 512,
+                max_send_sge: 16,
+                max_inline: 220,
+            },
+        );
+        core.connected(conn, 1 << 31);
+        let task = Arc::new(Task(AtomicUsize::new(0)));
+        Fixture {
+            core,
+            nic,
+            conn,
+            region: Rc::new(()),
+            local: [LocalDesc {
+                region: 0,
+                offset: 4096,
+                len: 64,
+            }],
+            remote: [RemoteDesc {
+                addr: 0x5500_0000_1000,
+                len: 64,
+                rkey: 77,
+            }],
+            waker: Waker::from(Arc::clone(&task)),
+            task,
+        }
+    }
+
+    /// One transfer; `mark(i)` is called after stage `i` (the timing hook). Returns its stats.
+    fn transfer(&mut self, wait: bool, mut mark: impl FnMut(usize)) -> TransferStats {
+        self.nic.at_doorbell.set(!wait);
+        let mut cx = Context::from_waker(&self.waker);
+        // 0: the engine's check_and_plan.
+        let mut plan: Plan = self.core.take_plan();
+        self.core
+            .check_transfer(self.conn, Op::Write, false)
+            .expect("live");
+        let regions = [REGION];
+        self.core
+            .plan_transfer(
+                self.conn,
+                Op::Write,
+                &regions,
+                &self.local,
+                &self.remote,
+                false,
+                &mut plan,
+            )
+            .expect("valid");
+        mark(0);
+        // 1: the slot.
+        let keep: SmallKeep = smallvec::smallvec![Rc::clone(&self.region)];
+        let mut p = self
+            .core
+            .begin(self.conn, Op::Write, keep, &TransferOptions::default());
+        mark(1);
+        // 2: build and ring.
+        assert!(self.core.post(&mut p, &plan, &mut cx).is_ready());
+        let (bytes, wrs) = (plan.bytes, plan.wrs.len());
+        self.core.recycle_plan(plan);
+        mark(2);
+        // 3: the future's first poll of its slot (the engine's wait_slot).
+        let mut buf = [Completion::success(0, 0); REAP_NOW];
+        let first = match self.core.try_finish(&mut p) {
+            Poll::Ready(r) => Poll::Ready(r),
+            Poll::Pending => {
+                self.core.reap(&mut HeldCq(&self.nic), &mut buf);
+                self.core.poll_finish(&mut p, &mut cx)
+            }
+        };
+        mark(3);
+        let result = match first {
+            Poll::Ready(r) => {
+                mark(4);
+                r
+            }
+            Poll::Pending => {
+                // 4: the NIC completes; the progress side reaps, routes and wakes.
+                self.nic.complete();
+                let before = self.task.0.load(Ordering::Acquire);
+                let mut batch = [Completion::success(0, 0); 32];
+                self.core.reap(&mut HeldCq(&self.nic), &mut batch);
+                assert_eq!(self.task.0.load(Ordering::Acquire), before + 1, "woken");
+                mark(4);
+                // 5: polled again.
+                match self.core.try_finish(&mut p) {
+                    Poll::Ready(r) => r,
+                    Poll::Pending => panic!("woken but not finished"),
+                }
+            }
+        };
+        result.expect("null QP completes successfully");
+        self.core.count_result(true);
+        let stats = TransferStats::new(bytes, 1, wrs, p.doorbells());
+        mark(5);
+        std::hint::black_box(stats)
+    }
+}
+
+/// Median cost of each stage in ns, over `n` transfers of one shape.
+fn stage_medians(f: &mut Fixture, wait: bool, n: usize) -> [f64; 6] {
+    let ticks = tick_counter::x86_64_tick_counter;
+    // The counter's rate.
+    let (t0, c0) = (std::time::Instant::now(), ticks());
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    let rate = (ticks() - c0) as f64 / t0.elapsed().as_secs_f64() / 1e9; // ticks per ns
+                                                                         // The cost of one read of the counter between two stages.
+    let mut gaps: Vec<u64> = (0..10_000)
+        .map(|_| {
+            let a = ticks();
+            let b = ticks();
+            b - a
+        })
+        .collect();
+    gaps.sort_unstable();
+    let overhead = gaps[gaps.len() / 2] as f64;
+    let mut per: Vec<Vec<u64>> = vec![Vec::with_capacity(n); 6];
+    for _ in 0..n {
+        let mut last = ticks();
+        let mut at = [0u64; 6];
+        f.transfer(wait, |i| {
+            let now = ticks();
+            at[i] = now - last;
+            last = ticks();
+        });
+        for (i, v) in at.iter().enumerate() {
+            per[i].push(*v);
+        }
+    }
+    let mut out = [0.0; 6];
+    for (i, v) in per.iter_mut().enumerate() {
+        v.sort_unstable();
+        out[i] = ((v[v.len() / 2] as f64) - overhead).max(0.0) / rate;
+    }
+    out
+}
+
+/// The hand-off of an [`rixl::runtime::EngineHandle`] call, which is what an `agent.write` from
+/// a thread other than the engine's core adds to the engine's transfer: the job sent to the
+/// core, its task spawned and run there, the result sent back and the caller woken. Measured
+/// with a real engine core (glommio, no NIC on this machine, so the transfer ends at once with
+/// its typed `NoNic` error on the core): median ns per call over `n` calls, the core kept awake
+/// (`spin_before_park`) and allowed to sleep between calls (the default 100 µs spin: calls
+/// here come back to back, so it does not sleep either). `None` where no engine core starts
+/// (io_uring or memlock refused).
+fn hand_off_median(n: usize, spin: std::time::Duration) -> Option<f64> {
+    use rixl::runtime::{
+        EngineConfig, EnginePool, LocalDescList, RemoteDescList, TransferError, DEFAULT_IO_MEMORY,
+    };
+    let mut cfg = EngineConfig::default();
+    cfg.require_nic = false;
+    cfg.spin_before_park = spin;
+    let pool = match EnginePool::start(&cfg, &[0], DEFAULT_IO_MEMORY) {
+        Ok(p) => p,
+        Err(e) => {
+            println!("(no engine core for the hand-off: {e})");
+            return None;
+        }
+    };
+    let h = pool.handles()[0].clone();
+    let call = || {
+        let r = futures_lite::future::block_on(h.transfer(
+            ConnId(0),
+            Op::Write,
+            LocalDescList::new(),
+            RemoteDescList(Vec::new()),
+            TransferOptions::default(),
+        ));
+        assert!(matches!(r, Err(TransferError::NoNic)), "{r:?}");
+    };
+    for _ in 0..n.min(1000) {
+        call();
+    }
+    let mut v: Vec<u64> = (0..n)
+        .map(|_| {
+            let t = std::time::Instant::now();
+            call();
+            t.elapsed().as_nanos() as u64
+        })
+        .collect();
+    v.sort_unstable();
+    pool.shutdown();
+    Some(v[v.len() / 2] as f64)
+}
+
+/// Prints the stage table of both shapes (the "cost broken down by stage").
+pub fn print_stage_table(n: usize) {
+    let mut f = Fixture::new();
+    for _ in 0..n.min(10_000) {
+        f.transfer(true, |_| {});
+        f.transfer(false, |_| {});
+    }
+    let wait = stage_medians(&mut f, true, n);
+    let reap = stage_medians(&mut f, false, n);
+    println!("\nnull_qp_stages: one 1-descriptor 64 B WRITE through the core, median ns per stage ({n} transfers each)");
+    println!("| stage | completion waited for (woken) | completion reaped by the future |");
+    println!("|---|---|---|");
+    for (i, s) in STAGES.iter().enumerate() {
+        let r = if i == 4 {
+            "-".to_string()
+        } else {
+            format!("{:.1}", reap[i])
+        };
+        println!("| {s} | {:.1} | {r} |", wait[i]);
+    }
+    println!(
+        "| **sum** | **{:.1}** | **{:.1}** |",
+        wait.iter().sum::<f64>(),
+        reap.iter().sum::<f64>()
+    );
+    let calls = (n / 20).max(200);
+    for (what, spin) in [
+        ("core spinning", std::time::Duration::from_secs(1)),
+        (
+            "default spin before the core sleeps",
+            rixl::runtime::EngineConfig::default().spin_before_park,
+        ),
+    ] {
+        if let Some(ns) = hand_off_median(calls, spin) {
+            println!("| hand-off from another thread and back ({what}; median of {calls} calls) | {ns:.0} | |");
+        }
+    }
+    println!();
+}
+
+/// Criterion: the whole path of each shape.
+pub fn bench_null_qp_await(c: &mut Criterion) {
+    let mut g = c.benchmark_group("null_qp_await");
+    g.throughput(Throughput::Elements(1));
+    let mut f = Fixture::new();
+    g.bench_function("write_64B_woken", |b| b.iter(|| f.transfer(true, |_| {})));
+    g.bench_function("write_64B_reaped", |b| b.iter(|| f.transfer(false, |_| {})));
+    g.finish();
+}
