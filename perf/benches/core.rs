@@ -237,6 +237,13 @@ fn null_transfer(
     while core.post(&mut p, &plan, &mut cx).is_pending() {
         core.reap(cq, &mut buf);
     }
+    // Queued for a coalesced post (the engine's flush task): a transfer after transfer loop
+    // like this one soon posts at once, but for a probe every COALESCE_PROBE_EVERY.
+    if p.queued() && core.take_flush_request(conn) {
+        while core.flush(conn, &mut cx).is_pending() {
+            core.reap(cq, &mut buf);
+        }
+    }
     let wrs = plan.wrs.len();
     core.recycle_plan(plan);
     loop {

@@ -217,6 +217,10 @@ impl Fixture {
         mark(1);
         // 2: build and ring.
         assert!(self.core.post(&mut p, &plan, &mut cx).is_ready());
+        // A probe queued for a coalesced post: the engine's flush task posts it.
+        if p.queued() && self.core.take_flush_request(self.conn) {
+            assert!(self.core.flush(self.conn, &mut cx).is_ready());
+        }
         let (bytes, wrs) = (plan.bytes, plan.wrs.len());
         self.core.recycle_plan(plan);
         mark(2);
@@ -258,23 +262,31 @@ impl Fixture {
     }
 }
 
-/// Median cost of each stage in ns, over `n` transfers of one shape.
-fn stage_medians(f: &mut Fixture, wait: bool, n: usize) -> [f64; 6] {
+/// The mean of the lower 99 % of `v` (the counter reads in steps of several ns on some
+/// machines, so a median can only be a multiple of the step; a mean over many transfers is
+/// not, and the top 1 % are interrupts and migrations).
+fn trimmed_mean(v: &mut [u64]) -> f64 {
+    v.sort_unstable();
+    let keep = &v[..(v.len() * 99 / 100).max(1)];
+    keep.iter().sum::<u64>() as f64 / keep.len() as f64
+}
+
+/// Mean cost of each stage in ns (see [`trimmed_mean`]), over `n` transfers of one shape.
+fn stage_means(f: &mut Fixture, wait: bool, n: usize) -> [f64; 6] {
     let ticks = tick_counter::x86_64_tick_counter;
     // The counter's rate.
     let (t0, c0) = (std::time::Instant::now(), ticks());
     std::thread::sleep(std::time::Duration::from_millis(50));
     let rate = (ticks() - c0) as f64 / t0.elapsed().as_secs_f64() / 1e9; // ticks per ns
                                                                          // The cost of one read of the counter between two stages.
-    let mut gaps: Vec<u64> = (0..10_000)
+    let mut gaps: Vec<u64> = (0..n.max(10_000))
         .map(|_| {
             let a = ticks();
             let b = ticks();
             b - a
         })
         .collect();
-    gaps.sort_unstable();
-    let overhead = gaps[gaps.len() / 2] as f64;
+    let overhead = trimmed_mean(&mut gaps);
     let mut per: Vec<Vec<u64>> = vec![Vec::with_capacity(n); 6];
     for _ in 0..n {
         let mut last = ticks();
@@ -290,8 +302,7 @@ fn stage_medians(f: &mut Fixture, wait: bool, n: usize) -> [f64; 6] {
     }
     let mut out = [0.0; 6];
     for (i, v) in per.iter_mut().enumerate() {
-        v.sort_unstable();
-        out[i] = ((v[v.len() / 2] as f64) - overhead).max(0.0) / rate;
+        out[i] = (trimmed_mean(v) - overhead).max(0.0) / rate;
     }
     out
 }
@@ -304,14 +315,16 @@ fn stage_medians(f: &mut Fixture, wait: bool, n: usize) -> [f64; 6] {
 /// (`spin_before_park`) and allowed to sleep between calls (the default 100 µs spin: calls
 /// here come back to back, so it does not sleep either). `None` where no engine core starts
 /// (io_uring or memlock refused).
-fn hand_off_median(n: usize, spin: std::time::Duration) -> Option<f64> {
+fn hand_off_median(n: usize, spin: std::time::Duration, caller_spins: bool) -> Option<f64> {
     use rixl::runtime::{
         EngineConfig, EnginePool, LocalDescList, RemoteDescList, TransferError, DEFAULT_IO_MEMORY,
     };
     let mut cfg = EngineConfig::default();
     cfg.require_nic = false;
     cfg.spin_before_park = spin;
-    let pool = match EnginePool::start(&cfg, &[0], DEFAULT_IO_MEMORY) {
+    // The engine on the last CPU, away from this thread if the scheduler allows.
+    let cpu = rixl::runtime::available_cpus().last().copied().unwrap_or(0);
+    let pool = match EnginePool::start(&cfg, &[cpu], DEFAULT_IO_MEMORY) {
         Ok(p) => p,
         Err(e) => {
             println!("(no engine core for the hand-off: {e})");
@@ -319,8 +332,17 @@ fn hand_off_median(n: usize, spin: std::time::Duration) -> Option<f64> {
         }
     };
     let h = pool.handles()[0].clone();
+    // The caller either sleeps until it is woken (`block_on`, as a thread blocked on the call
+    // would) or polls the reply in a loop (as a task of a busy executor would find it).
+    let wait = |fut| {
+        if caller_spins {
+            spin_on(fut)
+        } else {
+            futures_lite::future::block_on(fut)
+        }
+    };
     let call = || {
-        let r = futures_lite::future::block_on(h.transfer(
+        let r = wait(h.transfer(
             ConnId(0),
             Op::Write,
             LocalDescList::new(),
@@ -344,6 +366,18 @@ fn hand_off_median(n: usize, spin: std::time::Duration) -> Option<f64> {
     Some(v[v.len() / 2] as f64)
 }
 
+/// Polls `fut` in a loop until it is ready, never sleeping.
+fn spin_on<F: std::future::Future>(fut: F) -> F::Output {
+    let mut fut = std::pin::pin!(fut);
+    let mut cx = Context::from_waker(Waker::noop());
+    loop {
+        if let Poll::Ready(v) = fut.as_mut().poll(&mut cx) {
+            return v;
+        }
+        std::hint::spin_loop();
+    }
+}
+
 /// Prints the stage table of both shapes (the "cost broken down by stage").
 pub fn print_stage_table(n: usize) {
     let mut f = Fixture::new();
@@ -351,9 +385,9 @@ pub fn print_stage_table(n: usize) {
         f.transfer(true, |_| {});
         f.transfer(false, |_| {});
     }
-    let wait = stage_medians(&mut f, true, n);
-    let reap = stage_medians(&mut f, false, n);
-    println!("\nnull_qp_stages: one 1-descriptor 64 B WRITE through the core, median ns per stage ({n} transfers each)");
+    let wait = stage_means(&mut f, true, n);
+    let reap = stage_means(&mut f, false, n);
+    println!("\nnull_qp_stages: one 1-descriptor 64 B WRITE through the core, mean ns per stage, the slowest 1 % left out ({n} transfers each; criterion's `null_qp_await` times the whole path)");
     println!("| stage | completion waited for (woken) | completion reaped by the future |");
     println!("|---|---|---|");
     for (i, s) in STAGES.iter().enumerate() {
@@ -370,14 +404,14 @@ pub fn print_stage_table(n: usize) {
         reap.iter().sum::<f64>()
     );
     let calls = (n / 20).max(200);
-    for (what, spin) in [
-        ("core spinning", std::time::Duration::from_secs(1)),
-        (
-            "default spin before the core sleeps",
-            rixl::runtime::EngineConfig::default().spin_before_park,
-        ),
+    let awake = std::time::Duration::from_secs(1);
+    let default = rixl::runtime::EngineConfig::default().spin_before_park;
+    for (what, spin, caller_spins) in [
+        ("core kept awake, caller polls", awake, true),
+        ("core kept awake, caller sleeps until woken", awake, false),
+        ("engine defaults, caller sleeps until woken", default, false),
     ] {
-        if let Some(ns) = hand_off_median(calls, spin) {
+        if let Some(ns) = hand_off_median(calls, spin, caller_spins) {
             println!("| hand-off from another thread and back ({what}; median of {calls} calls) | {ns:.0} | |");
         }
     }
