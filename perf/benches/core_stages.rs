@@ -287,7 +287,7 @@ fn stage_means(f: &mut Fixture, wait: bool, n: usize) -> [f64; 6] {
         })
         .collect();
     let overhead = trimmed_mean(&mut gaps);
-    let mut per: Vec<Vec<u64>> = vec![Vec::with_capacity(n); 6];
+    let mut per: Vec<Vec<u64>> = (0..6).map(|_| Vec::with_capacity(n)).collect();
     for _ in 0..n {
         let mut last = ticks();
         let mut at = [0u64; 6];
