@@ -262,6 +262,26 @@ impl Fixture {
     }
 }
 
+/// The cycle counter (`rdtsc`, `cntvct_el0`), elsewhere nanoseconds of the monotonic clock.
+fn ticks() -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        tick_counter::x86_64_tick_counter()
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        tick_counter::aarch64_tick_counter()
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+        EPOCH
+            .get_or_init(std::time::Instant::now)
+            .elapsed()
+            .as_nanos() as u64
+    }
+}
+
 /// The mean of the lower 99 % of `v` (the counter reads in steps of several ns on some
 /// machines, so a median can only be a multiple of the step; a mean over many transfers is
 /// not, and the top 1 % are interrupts and migrations).
@@ -273,7 +293,6 @@ fn trimmed_mean(v: &mut [u64]) -> f64 {
 
 /// Mean cost of each stage in ns (see [`trimmed_mean`]), over `n` transfers of one shape.
 fn stage_means(f: &mut Fixture, wait: bool, n: usize) -> [f64; 6] {
-    let ticks = tick_counter::x86_64_tick_counter;
     // The counter's rate.
     let (t0, c0) = (std::time::Instant::now(), ticks());
     std::thread::sleep(std::time::Duration::from_millis(50));
