@@ -385,6 +385,46 @@ fn hand_off_median(n: usize, spin: std::time::Duration, caller_spins: bool) -> O
     Some(v[v.len() / 2] as f64)
 }
 
+/// For scale: a bare round trip between two threads of this machine that both spin (a value
+/// sent over `std::sync::mpsc` and sent back), median ns over `n`.
+fn bare_round_trip(n: usize) -> f64 {
+    use std::sync::mpsc::{channel, TryRecvError};
+    let (to_tx, to_rx) = channel::<u64>();
+    let (back_tx, back_rx) = channel::<u64>();
+    let echo = std::thread::spawn(move || loop {
+        match to_rx.try_recv() {
+            Ok(v) => {
+                if back_tx.send(v).is_err() {
+                    return;
+                }
+            }
+            Err(TryRecvError::Empty) => std::hint::spin_loop(),
+            Err(TryRecvError::Disconnected) => return,
+        }
+    });
+    let mut v: Vec<u64> = (0..n as u64)
+        .map(|i| {
+            let t = std::time::Instant::now();
+            to_tx.send(i).expect("echo thread alive");
+            loop {
+                match back_rx.try_recv() {
+                    Ok(got) => {
+                        assert_eq!(got, i);
+                        break;
+                    }
+                    Err(TryRecvError::Empty) => std::hint::spin_loop(),
+                    Err(TryRecvError::Disconnected) => panic!("echo thread gone"),
+                }
+            }
+            t.elapsed().as_nanos() as u64
+        })
+        .collect();
+    drop(to_tx);
+    echo.join().expect("echo thread");
+    v.sort_unstable();
+    v[v.len() / 2] as f64
+}
+
 /// Polls `fut` in a loop until it is ready, never sleeping.
 fn spin_on<F: std::future::Future>(fut: F) -> F::Output {
     let mut fut = std::pin::pin!(fut);
@@ -434,6 +474,10 @@ pub fn print_stage_table(n: usize) {
             println!("| hand-off from another thread and back ({what}; median of {calls} calls) | {ns:.0} | |");
         }
     }
+    println!(
+        "| for scale: a bare round trip between two spinning threads (std mpsc; median of {calls}) | {:.0} | |",
+        bare_round_trip(calls)
+    );
     println!();
 }
 
