@@ -7,13 +7,13 @@ use std::rc::Rc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use rixl_proto::{Completion, ConnId, Message, Op, Plan, Posting, RegionInfo, SendOp, Sge};
+use rixl_proto::{Completion, ConnId, Core, Message, Op, Plan, Posting, RegionInfo, SendOp, Sge};
 use rixl_proto::{DescriptorRanges, TransferFailure, TransferOptions, TransferStats};
 use rixl_verbs::WorkCompletion;
 use smallvec::SmallVec;
 use tracing::Instrument;
 
-use super::nic::{KeepAlive, MessageSlot, VerbsCq};
+use super::nic::{KeepAlive, MessageSlot, VerbsCq, VerbsQueue};
 use super::{Engine, Inner};
 use crate::desc::{LocalDescList, Region, RemoteDescList};
 use crate::error::{InvalidDescriptor, TransferError};
@@ -331,33 +331,16 @@ impl Engine {
             if r.is_ready() {
                 return r;
             }
-            let mut wcs = [WorkCompletion::default(); REAP_NOW_BATCH];
-            let mut out = [Completion::success(0, 0); REAP_NOW_BATCH];
             // Nothing in flight on the engine (a request-response loop waiting for its
             // answer): poll the CQ here for a while, as a waiting transfer alone does, instead
             // of waiting for the progress task's wake-up.
             let polls = if core.inflight_len() == 0 {
-                inner.cfg.spin_polls.max(1)
+                inner.cfg.spin_polls
             } else {
                 1
             };
-            for _ in 0..polls {
-                let mut cq = VerbsCq {
-                    cq: &inner.cq,
-                    wcs: &mut wcs,
-                    failed: &inner.cq_failed,
-                };
-                if core.reap(&mut cq, &mut out) > 0 {
-                    inner.quiet_polls.set(0);
-                    let r = core.try_recv(conn);
-                    if r.is_ready() {
-                        return r;
-                    }
-                }
-                if inner.cq_failed.get() {
-                    break;
-                }
-                std::hint::spin_loop();
+            if let Poll::Ready(r) = reap_until(&inner, &mut core, polls, |c| c.try_recv(conn)) {
+                return Poll::Ready(r);
             }
             let r = core.poll_recv(conn, cx);
             drop(core);
@@ -594,6 +577,38 @@ async fn flush_queue(inner: Rc<Inner>, conn: ConnId) {
     .await;
 }
 
+/// Polls the CQ up to `polls` times (at least once), routing what it reaps, until `done` is
+/// ready after a reap; stops early if the CQ poll failed (the progress task fails the engine's
+/// connections then). The completion buffers are on the stack of this poll, not in the calling
+/// future (which every `.await` moves).
+fn reap_until<T>(
+    inner: &Inner,
+    core: &mut Core<VerbsQueue>,
+    polls: u32,
+    mut done: impl FnMut(&mut Core<VerbsQueue>) -> Poll<T>,
+) -> Poll<T> {
+    let mut wcs = [WorkCompletion::default(); REAP_NOW_BATCH];
+    let mut out = [Completion::success(0, 0); REAP_NOW_BATCH];
+    for _ in 0..polls.max(1) {
+        let mut cq = VerbsCq {
+            cq: &inner.cq,
+            wcs: &mut wcs,
+            failed: &inner.cq_failed,
+        };
+        if core.reap(&mut cq, &mut out) > 0 {
+            inner.quiet_polls.set(0);
+            if let Poll::Ready(r) = done(core) {
+                return Poll::Ready(r);
+            }
+        }
+        if inner.cq_failed.get() {
+            break;
+        }
+        std::hint::spin_loop();
+    }
+    Poll::Pending
+}
+
 /// Waits for the slot of `guard` to complete and takes its result. A future that finds its own
 /// completion in the CQ ends without a round trip through the progress task (on a fast device
 /// the completion often arrives before the future first waits); the waker is registered only
@@ -601,9 +616,10 @@ async fn flush_queue(inner: Rc<Inner>, conn: ConnId) {
 ///
 /// The completion mode follows from what is in flight: a transfer alone on its engine (a
 /// request-response loop, a lone small READ) polls the CQ itself for up to
-/// [`EngineConfig::spin_polls`](super::EngineConfig::spin_polls) polls before it waits, as perftest's loop does, so its completion costs no wake-up and no
-/// executor turn; with other transfers in flight it polls once and leaves the rest to the
-/// progress task, which serves them all.
+/// [`EngineConfig::spin_polls`](super::EngineConfig::spin_polls) polls before it waits, as
+/// perftest's loop does, so its completion costs no wake-up and no executor turn; with other
+/// transfers in flight it polls once and leaves the rest to the progress task, which serves
+/// them all.
 pub(super) async fn wait_slot(guard: &mut SlotGuard) -> Result<(), TransferError> {
     let inner = Rc::clone(&guard.inner);
     let r = poll_fn(|cx| {
@@ -611,33 +627,17 @@ pub(super) async fn wait_slot(guard: &mut SlotGuard) -> Result<(), TransferError
         if let Poll::Ready(r) = core.try_finish(&mut guard.posting) {
             return Poll::Ready(r);
         }
-        // On the stack of this poll, not in the future (which every `.await` moves).
-        let mut wcs = [WorkCompletion::default(); REAP_NOW_BATCH];
-        let mut out = [Completion::success(0, 0); REAP_NOW_BATCH];
         let polls = if core.inflight_len() <= 1 {
-            inner.cfg.spin_polls.max(1)
+            inner.cfg.spin_polls
         } else {
             1
         };
-        for _ in 0..polls {
-            let mut cq = VerbsCq {
-                cq: &inner.cq,
-                wcs: &mut wcs,
-                failed: &inner.cq_failed,
-            };
-            if core.reap(&mut cq, &mut out) > 0 {
-                inner.quiet_polls.set(0);
-                if let Poll::Ready(r) = core.try_finish(&mut guard.posting) {
-                    probe::stamp(Point::Reaped);
-                    return Poll::Ready(r);
-                }
-            }
-            if inner.cq_failed.get() {
-                break;
-            }
-            std::hint::spin_loop();
-        }
+        let posting = &mut guard.posting;
+        let reaped = reap_until(&inner, &mut core, polls, |c| c.try_finish(posting));
         probe::stamp(Point::Reaped);
+        if reaped.is_ready() {
+            return reaped;
+        }
         core.poll_finish(&mut guard.posting, cx)
     })
     .await;
