@@ -4,8 +4,6 @@
 //! into work requests, the in-flight table, completion routing, send-queue credit planning, and
 //! endpoint encode/decode (the connection part of metadata).
 
-use std::cell::RefCell;
-use std::collections::VecDeque;
 use std::hint::black_box;
 use std::rc::Rc;
 use std::task::{Context, Poll, Waker};
@@ -14,14 +12,15 @@ use criterion::{criterion_group, BenchmarkId, Criterion, Throughput};
 use rixl_proto::credits::SendCredits;
 use rixl_proto::inflight::InflightTable;
 use rixl_proto::plan::{plan, Limits};
-use rixl_proto::{
-    Completion, CompletionSource, ConnParams, Core, CoreConfig, LocalDesc, Op, RegionInfo,
-    RemoteDesc, SendFlags, SendOp, SendQueue, Sge, TransferOptions,
-};
-use rixl_verbs::{Endpoint, Gid, Mtu, SendBatch};
+use rixl_proto::{Completion, Core, LocalDesc, Op, RegionInfo, RemoteDesc, TransferOptions};
+use rixl_verbs::{Endpoint, Gid, Mtu};
 
-#[path = "core_stages.rs"]
+#[path = "core/null_nic.rs"]
+mod null_nic;
+#[path = "core/stages.rs"]
 mod stages;
+
+use null_nic::{connected_core, NullCq, NullNic, NullQp};
 
 const REGION: RegionInfo = RegionInfo {
     addr: 0x7f00_0000_0000,
@@ -154,70 +153,12 @@ fn bench_endpoint(c: &mut Criterion) {
     g.finish();
 }
 
-/// A queue pair with no NIC behind it: requests are built into a real verbs [`SendBatch`] (the
-/// `ibv_send_wr`/`ibv_sge` arrays the doorbell would hand the NIC), and posting clears the
-/// batch and completes every signaled request at once.
-struct NullQp {
-    batch: SendBatch,
-    signaled: Vec<u64>,
-    cq: Rc<RefCell<VecDeque<Completion>>>,
-}
-
-impl SendQueue for NullQp {
-    type Keep = Rc<()>;
-    type Error = std::convert::Infallible;
-
-    fn qpn(&self) -> u32 {
-        1
-    }
-
-    fn push(&mut self, wr_id: u64, op: SendOp, sges: &[Sge], flags: SendFlags) {
-        self.batch.push(wr_id, op, sges, flags);
-        if flags.signaled {
-            self.signaled.push(wr_id);
-        }
-    }
-
-    fn post(&mut self, keeps: &[&Rc<()>]) -> Result<(), Self::Error> {
-        black_box((keeps, self.batch.len()));
-        self.batch.clear();
-        let mut cq = self.cq.borrow_mut();
-        cq.extend(self.signaled.drain(..).map(|w| Completion::success(1, w)));
-        Ok(())
-    }
-
-    fn set_error(&mut self) -> Result<(), Self::Error> {
-        Ok(())
-    }
-
-    fn read_received(&mut self, _index: u32, len: u32) -> Vec<u8> {
-        vec![0; len as usize]
-    }
-
-    fn repost_recv(&mut self, _wr_id: u64, _index: u32) -> Result<(), Self::Error> {
-        Ok(())
-    }
-}
-
-struct NullCq(Rc<RefCell<VecDeque<Completion>>>);
-
-impl CompletionSource for NullCq {
-    fn poll(&mut self, out: &mut [Completion]) -> usize {
-        let mut q = self.0.borrow_mut();
-        let n = out.len().min(q.len());
-        for (o, c) in out.iter_mut().zip(q.drain(..n)) {
-            *o = c;
-        }
-        n
-    }
-}
-
 /// One WRITE through the core, as the engine's transfer future runs it: plan into a kept plan,
 /// open a slot, post as credits allow (reaping when they run out), recycle the plan, take the
 /// result. Returns the work requests posted.
 fn null_transfer(
-    core: &mut Core<NullQp>,
-    cq: &mut NullCq,
+    core: &mut Core<NullQp<Rc<()>>>,
+    cq: &mut NullCq<'_>,
     conn: rixl_proto::ConnId,
     keep: &Rc<()>,
     local: &[LocalDesc],
@@ -264,22 +205,9 @@ fn null_transfer(
 /// 4 KiB writes per second).
 fn bench_null_qp(c: &mut Criterion) {
     let mut g = c.benchmark_group("null_qp_write");
-    let cq = Rc::new(RefCell::new(VecDeque::new()));
-    let mut core = Core::new(CoreConfig::default());
-    let conn = core.add_connection(
-        NullQp {
-            batch: SendBatch::with_capacity(64, 4),
-            signaled: Vec::new(),
-            cq: Rc::clone(&cq),
-        },
-        ConnParams {
-            send_queue_depth: 512,
-            max_send_sge: 16,
-            max_inline: 220,
-        },
-    );
-    core.connected(conn, 1 << 31);
-    let mut null_cq = NullCq(cq);
+    let nic = NullNic::completing_at_doorbell();
+    let (mut core, conn) = connected_core(&nic);
+    let mut null_cq = NullCq(&nic);
     let keep = Rc::new(());
     for n in [1u64, 64, 4096, 100_000] {
         let (local, remote) = scattered(n, 4096);

@@ -11,8 +11,6 @@
 //! (the counter read's own cost, measured the same way, is taken off each stage); criterion
 //! times the whole path of each shape.
 
-use std::cell::{Cell, RefCell};
-use std::collections::VecDeque;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -20,97 +18,14 @@ use std::task::{Context, Poll, Wake, Waker};
 
 use criterion::{Criterion, Throughput};
 use rixl_proto::{
-    Completion, CompletionSource, ConnId, ConnParams, Core, CoreConfig, LocalDesc, Op, Plan,
-    RegionInfo, RemoteDesc, SendFlags, SendOp, SendQueue, Sge, TransferOptions, TransferStats,
+    Completion, ConnId, Core, LocalDesc, Op, Plan, RemoteDesc, TransferOptions, TransferStats,
 };
-use rixl_verbs::SendBatch;
 
-const REGION: RegionInfo = RegionInfo {
-    addr: 0x7f00_0000_0000,
-    len: 1 << 30,
-    lkey: 0x1234,
-};
+use crate::null_nic::{connected_core, NullCq, NullNic, NullQp};
+use crate::REGION;
 
 /// Completions a waiting future reaps at once (the engine's `REAP_NOW_BATCH`).
 const REAP_NOW: usize = 8;
-
-/// A null queue pair that holds its completions until [`NullNic::complete`] (the NIC's round
-/// trip), or puts them in the CQ at the doorbell (`at_doorbell`).
-struct HeldQp {
-    batch: SendBatch,
-    signaled: Vec<u64>,
-    nic: Rc<NullNic>,
-}
-
-#[derive(Default)]
-struct NullNic {
-    at_doorbell: Cell<bool>,
-    held: RefCell<Vec<u64>>,
-    cq: RefCell<VecDeque<Completion>>,
-}
-
-impl NullNic {
-    fn complete(&self) {
-        let mut cq = self.cq.borrow_mut();
-        cq.extend(
-            self.held
-                .borrow_mut()
-                .drain(..)
-                .map(|w| Completion::success(1, w)),
-        );
-    }
-}
-
-impl SendQueue for HeldQp {
-    type Keep = SmallKeep;
-    type Error = std::convert::Infallible;
-
-    fn qpn(&self) -> u32 {
-        1
-    }
-
-    fn push(&mut self, wr_id: u64, op: SendOp, sges: &[Sge], flags: SendFlags) {
-        self.batch.push(wr_id, op, sges, flags);
-        if flags.signaled {
-            self.signaled.push(wr_id);
-        }
-    }
-
-    fn post(&mut self, keeps: &[&SmallKeep]) -> Result<(), Self::Error> {
-        std::hint::black_box((keeps, self.batch.len()));
-        self.batch.clear();
-        self.nic.held.borrow_mut().extend(self.signaled.drain(..));
-        if self.nic.at_doorbell.get() {
-            self.nic.complete();
-        }
-        Ok(())
-    }
-
-    fn set_error(&mut self) -> Result<(), Self::Error> {
-        Ok(())
-    }
-
-    fn read_received(&mut self, _index: u32, len: u32) -> Vec<u8> {
-        vec![0; len as usize]
-    }
-
-    fn repost_recv(&mut self, _wr_id: u64, _index: u32) -> Result<(), Self::Error> {
-        Ok(())
-    }
-}
-
-struct HeldCq<'a>(&'a NullNic);
-
-impl CompletionSource for HeldCq<'_> {
-    fn poll(&mut self, out: &mut [Completion]) -> usize {
-        let mut q = self.0.cq.borrow_mut();
-        let n = out.len().min(q.len());
-        for (o, c) in out.iter_mut().zip(q.drain(..n)) {
-            *o = c;
-        }
-        n
-    }
-}
 
 /// What the engine's slot keeps alive: the local regions (reference-counted handles).
 type SmallKeep = smallvec::SmallVec<[Rc<()>; 2]>;
@@ -139,7 +54,7 @@ const STAGES: [&str; 6] = [
 ];
 
 struct Fixture {
-    core: Core<HeldQp>,
+    core: Core<NullQp<SmallKeep>>,
     nic: Rc<NullNic>,
     conn: ConnId,
     region: Rc<()>,
@@ -152,20 +67,7 @@ struct Fixture {
 impl Fixture {
     fn new() -> Self {
         let nic = Rc::new(NullNic::default());
-        let mut core = Core::new(CoreConfig::default());
-        let conn = core.add_connection(
-            HeldQp {
-                batch: SendBatch::with_capacity(64, 4),
-                signaled: Vec::new(),
-                nic: Rc::clone(&nic),
-            },
-            ConnParams {
-                send_queue_depth: 512,
-                max_send_sge: 16,
-                max_inline: 220,
-            },
-        );
-        core.connected(conn, 1 << 31);
+        let (core, conn) = connected_core(&nic);
         let task = Arc::new(Task(AtomicUsize::new(0)));
         Fixture {
             core,
@@ -229,7 +131,7 @@ impl Fixture {
         let first = match self.core.try_finish(&mut p) {
             Poll::Ready(r) => Poll::Ready(r),
             Poll::Pending => {
-                self.core.reap(&mut HeldCq(&self.nic), &mut buf);
+                self.core.reap(&mut NullCq(&self.nic), &mut buf);
                 self.core.poll_finish(&mut p, &mut cx)
             }
         };
@@ -244,7 +146,7 @@ impl Fixture {
                 self.nic.complete();
                 let before = self.task.0.load(Ordering::Acquire);
                 let mut batch = [Completion::success(0, 0); 32];
-                self.core.reap(&mut HeldCq(&self.nic), &mut batch);
+                self.core.reap(&mut NullCq(&self.nic), &mut batch);
                 assert_eq!(self.task.0.load(Ordering::Acquire), before + 1, "woken");
                 mark(4);
                 // 5: polled again.
