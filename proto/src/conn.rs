@@ -52,11 +52,10 @@ pub const COALESCE_LONELY_FLUSHES: u32 = 8;
 pub const COALESCE_PROBE_EVERY: u32 = 64;
 
 /// What coalescing has learned about a connection's small transfers.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default)]
 pub(crate) struct CoalesceMode {
-    /// Small transfers are posted at once (recent flushes found no company).
-    pub direct: bool,
-    /// Flushes in a row that posted one transfer.
+    /// Flushes in a row that posted one transfer; from [`COALESCE_LONELY_FLUSHES`] on, small
+    /// transfers are posted at once.
     pub lonely: u32,
     /// Transfers the current flush has posted.
     pub round: u32,
@@ -67,21 +66,18 @@ pub(crate) struct CoalesceMode {
 impl CoalesceMode {
     /// A flush emptied the queue: learn from how many transfers it posted.
     pub fn flushed(&mut self) {
-        if self.round >= 2 {
-            self.lonely = 0;
-            self.direct = false;
+        self.lonely = if self.round >= 2 {
+            0
         } else {
-            self.lonely = self.lonely.saturating_add(1);
-            if self.lonely >= COALESCE_LONELY_FLUSHES {
-                self.direct = true;
-            }
-        }
+            self.lonely.saturating_add(1)
+        };
         self.round = 0;
     }
 
-    /// In direct mode, whether this small transfer is posted at once (not a probe).
+    /// In direct mode (recent flushes found no company), whether this small transfer is posted
+    /// at once (not a probe).
     pub fn bypass(&mut self) -> bool {
-        if !self.direct {
+        if self.lonely < COALESCE_LONELY_FLUSHES {
             return false;
         }
         self.seen = self.seen.wrapping_add(1);
