@@ -2,10 +2,11 @@
 //! them: every call crosses to the engine's core (`EngineHandle`) and back. Sequential READs of
 //! one size from a second agent in the same process, optionally with background readers that
 //! keep other transfers in flight; prints the median, 99th percentile and maximum, and how many
-//! calls took over 10 ms.
+//! calls took over 10 ms. With `--on-core`, the measured loop runs as a task on the reading
+//! agent's engine core (`Agent::run_on_core`), where calls start without the hand-off.
 //!
 //! ```text
-//! agent_latency [--size 4096] [--iters 2000] [--background 1]
+//! agent_latency [--size 4096] [--iters 2000] [--background 1] [--on-core]
 //! ```
 
 use std::time::{Duration, Instant};
@@ -29,6 +30,44 @@ struct Args {
     /// Background threads reading all the time (other transfers in flight).
     #[arg(long, default_value_t = 1)]
     background: usize,
+    /// Run the measured loop on the reading agent's engine core (no hand-off per call).
+    #[arg(long)]
+    on_core: bool,
+}
+
+/// What the measured loop saw.
+struct Measured {
+    hist: hdrhistogram::Histogram<u64>,
+    over_10ms: usize,
+}
+
+/// `iters` sequential READs of `size` bytes at slot 0, each timed.
+async fn measure(
+    user: Agent,
+    peer: String,
+    dst: rixl::runtime::Region,
+    src: u64,
+    size: u64,
+    iters: usize,
+) -> Result<Measured, String> {
+    let mut hist = hdrhistogram::Histogram::<u64>::new(3).map_err(|e| e.to_string())?;
+    let mut over_10ms = 0;
+    let mut l = LocalDescList::new();
+    l.push(&dst, 0, size);
+    let r = [RemoteRef {
+        region: src,
+        offset: 0,
+        len: size,
+    }];
+    for _ in 0..iters {
+        let t = Instant::now();
+        user.read(&peer, &l, &r).await.map_err(|e| e.to_string())?;
+        let took = t.elapsed();
+        over_10ms += usize::from(took > Duration::from_millis(10));
+        hist.record(took.as_micros() as u64)
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(Measured { hist, over_10ms })
 }
 
 fn main() -> Result<(), BoxError> {
@@ -64,10 +103,8 @@ fn main() -> Result<(), BoxError> {
         read(0)?;
     }
     let stop = std::sync::atomic::AtomicBool::new(false);
-    let mut hist = hdrhistogram::Histogram::<u64>::new(3)?;
-    let mut over_10ms = 0;
     let t0 = Instant::now();
-    std::thread::scope(|s| -> Result<(), BoxError> {
+    let m = std::thread::scope(|s| -> Result<Measured, BoxError> {
         for b in 0..args.background {
             let (stop, read) = (&stop, &read);
             s.spawn(move || {
@@ -78,24 +115,25 @@ fn main() -> Result<(), BoxError> {
                 }
             });
         }
-        let r = (|| -> Result<(), BoxError> {
-            for _ in 0..args.iters {
-                let t = Instant::now();
-                read(0)?;
-                let took = t.elapsed();
-                over_10ms += usize::from(took > Duration::from_millis(10));
-                hist.record(took.as_micros() as u64)?;
-            }
-            Ok(())
-        })();
+        let (u, p, d, id) = (user.clone(), peer.clone(), dst.region().clone(), src.id());
+        let (size, iters) = (args.size, args.iters);
+        let r = if args.on_core {
+            block_on(user.run_on_core(0, move || measure(u, p, d, id, size, iters)))
+                .map_err(BoxError::from)
+                .and_then(|r| r.map_err(BoxError::from))
+        } else {
+            block_on(measure(u, p, d, id, size, iters)).map_err(BoxError::from)
+        };
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         r
     })?;
+    let (hist, over_10ms) = (m.hist, m.over_10ms);
     println!(
-        "agent_latency: {} B READ x {} ({} background readers) in {:.2} s: p50 {} us, p99 {} us, max {} us, {} over 10 ms",
+        "agent_latency: {} B READ x {} ({} background readers{}) in {:.2} s: p50 {} us, p99 {} us, max {} us, {} over 10 ms",
         args.size,
         args.iters,
         args.background,
+        if args.on_core { ", on the engine core" } else { "" },
         t0.elapsed().as_secs_f64(),
         hist.value_at_quantile(0.5),
         hist.value_at_quantile(0.99),

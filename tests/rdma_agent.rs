@@ -787,6 +787,110 @@ fn large_transfers_are_striped_over_two_rails_and_verified() {
     b.shutdown();
 }
 
+#[test]
+fn agent_writes_from_a_task_on_its_engine_core_skip_the_hand_off() {
+    if agent_device().is_none() {
+        return;
+    }
+    let make = |name: &str, cpu: usize| {
+        let mut cfg = AgentConfig::default();
+        cfg.cpu = cpu;
+        Agent::new(name, cfg).expect("agent")
+    };
+    let owner = make("core-owner", 1);
+    let user = make("core-user", 0);
+    let blocks = 256u64;
+    let len = blocks * 4096;
+    let dst = block_on(owner.register(len as usize, Visibility::All)).expect("register");
+    let src = block_on(user.register(len as usize, Visibility::All)).expect("register");
+    let mut data = vec![0u8; len as usize];
+    fill(&mut data, 31);
+    src.region().write_at(0, &data).expect("fill");
+    let addr = owner.listen("127.0.0.1:0").expect("listen");
+    let peer = user
+        .fetch_remote_metadata(&addr.to_string())
+        .expect("metadata");
+    // Connect from this thread first (one small READ).
+    let mut one = LocalDescList::new();
+    one.push(src.region(), 0, 64);
+    let first = [RemoteRef {
+        region: dst.id(),
+        offset: 0,
+        len: 64,
+    }];
+    block_on(user.read(&peer, &one, &first)).expect("connect");
+    let before = user.hand_off_counters();
+    // 256 one-block WRITEs, one future after another, from a task on the user's engine core,
+    // each block to the mirrored slot: block i goes to slot blocks-1-i.
+    let (u, p, region, remote) = (user.clone(), peer.clone(), src.region().clone(), dst.id());
+    let t = Instant::now();
+    let written = block_on(user.run_on_core(0, move || async move {
+        let mut n = 0u64;
+        for i in 0..blocks {
+            let mut l = LocalDescList::new();
+            l.push(&region, i * 4096, 4096);
+            let r = [RemoteRef {
+                region: remote,
+                offset: (blocks - 1 - i) * 4096,
+                len: 4096,
+            }];
+            n += u.write(&p, &l, &r).await?.bytes;
+        }
+        Ok::<u64, AgentError>(n)
+    }))
+    .expect("the task ran")
+    .expect("every write");
+    let on_core_secs = t.elapsed().as_secs_f64();
+    assert_eq!(written, len);
+    let after = user.hand_off_counters();
+    assert_eq!(
+        after.sent,
+        before.sent + 1,
+        "only run_on_core itself was sent: {after:?}"
+    );
+    assert!(
+        after.on_core >= before.on_core + blocks,
+        "every write started on the core: {before:?} -> {after:?}"
+    );
+    let mut got = vec![0u8; len as usize];
+    dst.region().read_at(0, &mut got).expect("read back");
+    for i in 0..blocks as usize {
+        let j = blocks as usize - 1 - i;
+        assert!(
+            got[j * 4096..(j + 1) * 4096] == data[i * 4096..(i + 1) * 4096],
+            "block {i} landed in slot {j}"
+        );
+    }
+    // The same 256 writes from this thread, each handed off, for the report.
+    let t = Instant::now();
+    for i in 0..blocks {
+        let mut l = LocalDescList::new();
+        l.push(src.region(), i * 4096, 4096);
+        let r = [RemoteRef {
+            region: dst.id(),
+            offset: i * 4096,
+            len: 4096,
+        }];
+        block_on(user.write(&peer, &l, &r)).expect("write from this thread");
+    }
+    let thread_secs = t.elapsed().as_secs_f64();
+    dst.region().read_at(0, &mut got).expect("read back");
+    assert!(got == data, "the writes from this thread landed in order");
+    // A rail the agent does not have is typed.
+    let r = block_on(user.run_on_core(5, || async {}));
+    assert!(
+        matches!(r, Err(AgentError::BadIndex { index: 5, len: 1 })),
+        "{r:?}"
+    );
+    report(&format!(
+        "on-core: 256 sequential 4 KiB agent WRITEs in {:.1} ms from a task on the engine core, {:.1} ms from another thread (hand-offs {before:?} -> {after:?})",
+        on_core_secs * 1e3,
+        thread_secs * 1e3
+    ));
+    owner.shutdown();
+    user.shutdown();
+}
+
 fn agent_device() -> Option<()> {
     require_or_skip("kv_transfer example", || {
         rixl::verbs::DeviceList::new().and_then(|l| l.find(None).map(|_| ()))

@@ -118,6 +118,7 @@ pub struct EngineHandle {
     nic: bool,
     /// The NIC's verbs device name (`None` on a core without one).
     device: Option<Arc<str>>,
+    hand_offs: Arc<local::HandOffs>,
 }
 
 impl std::fmt::Debug for Command {
@@ -130,6 +131,9 @@ impl std::fmt::Debug for Command {
 }
 
 mod gpu;
+mod local;
+
+pub use local::HandOffCounters;
 
 impl EngineHandle {
     /// Runs `job` as a task on the engine's core and returns its output, or why there is none:
@@ -150,9 +154,7 @@ impl EngineHandle {
             })
             .detach();
         });
-        self.tx
-            .unbounded_send(Command::Run(run))
-            .map_err(|_| Lost::Gone)?;
+        self.start(run)?;
         rx.await.map_err(|_| Lost::Gone)?
     }
 
@@ -191,9 +193,7 @@ impl EngineHandle {
             })
             .detach();
         });
-        self.tx
-            .unbounded_send(Command::Run(run))
-            .map_err(|_| Lost::Gone)?;
+        self.start(run)?;
         rx.await.map_err(|_| Lost::Gone)?
     }
 
@@ -225,7 +225,7 @@ impl EngineHandle {
     /// Forgets a file (closed once its in-flight I/Os are done).
     pub fn close_file(&self, id: FileId) {
         let job: Job = Box::new(move |s| s.files.close(id));
-        let _ = self.tx.unbounded_send(Command::Run(job));
+        let _ = self.start(job);
     }
 
     /// A FILE-tier transfer (`Op::Write`: memory to file); see [`FileStore::transfer`]. `timeout`
@@ -644,6 +644,7 @@ pub(crate) fn serve_core(
         id,
         nic: engine.is_some(),
         device: engine.as_ref().map(|e| Arc::from(e.device_name().as_str())),
+        hand_offs: Arc::default(),
     };
     let served = Served {
         files: Rc::new(FileStore::new(cfg.file)),
@@ -729,6 +730,8 @@ fn run_job(served: &Served, job: Job) {
 async fn serve(served: Served, inbox: Rc<Inbox>) {
     // The pump holds the engine (and the engine the pump): let go of it however this ends.
     let _release = ReleasePump(served.engine.clone());
+    // Calls made on this core from here on start their jobs here.
+    let _here = local::OnCore::enter(&served, &inbox);
     while let Some(cmd) = inbox.next().await {
         match cmd {
             Command::Run(job) => run_job(&served, job),

@@ -30,7 +30,7 @@ pub use file::{
     FileConfig, FileCounters, FileDesc, FileError, FileId, FileInfo, FileMode, FileSpec, FileStore,
 };
 pub use flag::{wait_flag, Flag};
-pub use handle::{DeviceCopy, EngineHandle};
+pub use handle::{DeviceCopy, EngineHandle, HandOffCounters};
 pub use join::join_all;
 pub use pool::{available_cpus, EnginePool, DEFAULT_IO_MEMORY};
 pub use rails::{

@@ -370,6 +370,57 @@ impl Agent {
         self.inner.rails.len()
     }
 
+    /// Runs `f`'s future as a task on the core of rail `rail`'s engine (rail 0: the agent's
+    /// first NIC) and returns its output. A serving engine that runs its step loop there pays
+    /// no cross-thread hand-off for the transfers it starts on that rail (from any clone of
+    /// this agent): they start on the core at once, and the engine's own path is all they
+    /// cost (docs/perf.md). Dropping the returned future cancels the task at its next turn;
+    /// the transfers it had started are detached, and the in-flight table keeps their memory
+    /// until the NIC is done.
+    ///
+    /// The task runs on the engine's executor: it must not block. The agent's synchronous
+    /// calls that wait for an engine (`load_remote_metadata` of a peer that re-joined, which
+    /// closes its old connections) belong on other threads.
+    ///
+    /// ```no_run
+    /// # async fn f(agent: &rixl::agent::Agent, local: rixl::runtime::LocalDescList,
+    /// #     remote: Vec<rixl::agent::RemoteRef>) -> Result<(), rixl::agent::AgentError> {
+    /// let a = agent.clone();
+    /// let stats = agent
+    ///     .run_on_core(0, move || async move { a.write("decode", &local, &remote).await })
+    ///     .await??;
+    /// # let _ = stats; Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`AgentError::BadIndex`] for a rail the agent does not have; [`AgentError::Runtime`]
+    /// when the engine has shut down or the task panicked (contained: the core keeps serving).
+    pub async fn run_on_core<T, F, Fut>(&self, rail: usize, f: F) -> Result<T, AgentError>
+    where
+        T: Send + 'static,
+        F: FnOnce() -> Fut + Send + 'static,
+        Fut: std::future::Future<Output = T> + 'static,
+    {
+        let engines = self.inner.rails.engines();
+        let Some(engine) = engines.get(rail) else {
+            return Err(AgentError::BadIndex {
+                index: rail,
+                len: engines.len(),
+            });
+        };
+        Ok(engine.run_on_core(f).await?)
+    }
+
+    /// How calls reached the engines' cores, summed over the rails: started on the core itself
+    /// (from a task of [`Self::run_on_core`]) or sent from another thread.
+    pub fn hand_off_counters(&self) -> crate::runtime::HandOffCounters {
+        let mut sum = crate::runtime::HandOffCounters::default();
+        for e in self.inner.rails.engines() {
+            sum += e.hand_off_counters();
+        }
+        sum
+    }
+
     /// What membership through etcd has seen ([`Self::join_etcd`]): sessions, outages, PUTs,
     /// loads, departures.
     pub fn membership_counters(&self) -> MembershipCounters {

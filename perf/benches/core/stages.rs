@@ -287,6 +287,48 @@ fn hand_off_median(n: usize, spin: std::time::Duration, caller_spins: bool) -> O
     Some(v[v.len() / 2] as f64)
 }
 
+/// The same call made from a task on the engine's own core (`EngineHandle::run_on_core`, as a
+/// serving engine's step loop there makes it): it starts on the core without the hand-off.
+/// Median ns per call over `n` calls, timed inside the task.
+fn on_core_median(n: usize) -> Option<f64> {
+    use rixl::runtime::{
+        EngineConfig, EnginePool, LocalDescList, RemoteDescList, TransferError, DEFAULT_IO_MEMORY,
+    };
+    let mut cfg = EngineConfig::default();
+    cfg.require_nic = false;
+    let cpu = rixl::runtime::available_cpus().last().copied().unwrap_or(0);
+    let pool = EnginePool::start(&cfg, &[cpu], DEFAULT_IO_MEMORY).ok()?;
+    let h = pool.handles()[0].clone();
+    let inner = h.clone();
+    let mut v = futures_lite::future::block_on(h.run_on_core(move || async move {
+        let mut v = Vec::with_capacity(n);
+        for i in 0..n + n.min(1000) {
+            let t = std::time::Instant::now();
+            let r = inner
+                .transfer(
+                    ConnId(0),
+                    Op::Write,
+                    LocalDescList::new(),
+                    RemoteDescList(Vec::new()),
+                    TransferOptions::default(),
+                )
+                .await;
+            let ns = t.elapsed().as_nanos() as u64;
+            assert!(matches!(r, Err(TransferError::NoNic)), "{r:?}");
+            if i >= n.min(1000) {
+                v.push(ns);
+            }
+        }
+        v
+    }))
+    .ok()?;
+    let counted = h.hand_off_counters();
+    assert!(counted.on_core >= n as u64, "{counted:?}");
+    v.sort_unstable();
+    pool.shutdown();
+    Some(v[v.len() / 2] as f64)
+}
+
 /// For scale: a bare round trip between two threads of this machine that both spin (a value
 /// sent over `std::sync::mpsc` and sent back), median ns over `n`.
 fn bare_round_trip(n: usize) -> f64 {
@@ -375,6 +417,9 @@ pub fn print_stage_table(n: usize) {
         if let Some(ns) = hand_off_median(calls, spin, caller_spins) {
             println!("| hand-off from another thread and back ({what}; median of {calls} calls) | {ns:.0} | |");
         }
+    }
+    if let Some(ns) = on_core_median(calls) {
+        println!("| the same call from a task on the engine's own core (`run_on_core`; median of {calls} calls) | {ns:.0} | |");
     }
     println!(
         "| for scale: a bare round trip between two spinning threads (std mpsc; median of {calls}) | {:.0} | |",
