@@ -803,9 +803,6 @@ fn agent_writes_from_a_task_on_its_engine_core_skip_the_hand_off() {
     let len = blocks * 4096;
     let dst = block_on(owner.register(len as usize, Visibility::All)).expect("register");
     let src = block_on(user.register(len as usize, Visibility::All)).expect("register");
-    let mut data = vec![0u8; len as usize];
-    fill(&mut data, 31);
-    src.region().write_at(0, &data).expect("fill");
     let addr = owner.listen("127.0.0.1:0").expect("listen");
     let peer = user
         .fetch_remote_metadata(&addr.to_string())
@@ -819,6 +816,9 @@ fn agent_writes_from_a_task_on_its_engine_core_skip_the_hand_off() {
         len: 64,
     }];
     block_on(user.read(&peer, &one, &first)).expect("connect");
+    let mut data = vec![0u8; len as usize];
+    fill(&mut data, 31);
+    src.region().write_at(0, &data).expect("fill");
     let before = user.hand_off_counters();
     // 256 one-block WRITEs, one future after another, from a task on the user's engine core,
     // each block to the mirrored slot: block i goes to slot blocks-1-i.
