@@ -402,6 +402,102 @@ fn many_tasks_on_many_threads_share_two_engines() {
     pool.shutdown();
 }
 
+#[test]
+fn plan_cache_reuses_the_plans_of_repeated_small_transfers_and_never_a_stale_one() {
+    if !have_device("plan_cache_reuses_the_plans_of_repeated_small_transfers_and_never_a_stale_one")
+    {
+        return;
+    }
+    on_executor(move || {
+        Box::pin(async move {
+            let (engine, peer, conn) = engine_with_peer().await;
+            let len = 1 << 20;
+            let a = engine.register(len).await.expect("register");
+            let mut data = vec![0u8; len];
+            fill(&mut data, 41);
+            a.write_at(0, &data).expect("fill");
+            let back = engine.register(len).await.expect("register");
+            let block = |r: &Region, off: u64| {
+                let mut l = LocalDescList::new();
+                l.push(r, off, BLOCK);
+                l
+            };
+            let remote = RemoteDescList(vec![peer.remote(0, BLOCK)]);
+            let read_back = |at: u64| {
+                let (e, l, r) = (&engine, block(&back, at), &remote);
+                async move {
+                    e.read(conn, &l, r).await.expect("read back");
+                }
+            };
+            let content = |r: &Region, off: u64| {
+                let mut v = vec![0u8; BLOCK as usize];
+                r.read_at(off, &mut v).expect("read");
+                v
+            };
+            // The same one-block WRITE ten times: planned at its first two sightings, then
+            // posted with the kept plan.
+            let before = engine.counters();
+            let l = block(&a, 4096);
+            for _ in 0..10 {
+                engine.write(conn, &l, &remote).await.expect("write");
+            }
+            let reused = engine.counters().plans_reused - before.plans_reused;
+            assert_eq!(reused, 8, "plans reused after the second sighting");
+            read_back(0).await;
+            assert_eq!(content(&back, 0), data[4096..4096 + BLOCK as usize]);
+            // Other bytes of the same region at another offset: a new plan, its own bytes land.
+            let before = engine.counters().plans_reused;
+            engine
+                .write(conn, &block(&a, 8192), &remote)
+                .await
+                .expect("write");
+            assert_eq!(engine.counters().plans_reused, before);
+            read_back(BLOCK).await;
+            assert_eq!(content(&back, BLOCK), data[8192..8192 + BLOCK as usize]);
+            // A region released and another registered in its place, with the same
+            // descriptors: never the released one's plan (its key).
+            drop(l);
+            drop(a);
+            let c = engine.register(len).await.expect("register");
+            fill(&mut data, 42);
+            c.write_at(0, &data).expect("fill");
+            let before = engine.counters().plans_reused;
+            for _ in 0..3 {
+                engine
+                    .write(conn, &block(&c, 4096), &remote)
+                    .await
+                    .expect("write");
+            }
+            assert_eq!(
+                engine.counters().plans_reused - before,
+                1,
+                "planned twice, reused once"
+            );
+            read_back(2 * BLOCK).await;
+            assert_eq!(content(&back, 2 * BLOCK), data[4096..4096 + BLOCK as usize]);
+            // A cached READ asked to notify: the typed refusal, as without the cache.
+            let l = block(&c, 0);
+            for _ in 0..3 {
+                engine.read(conn, &l, &remote).await.expect("read");
+            }
+            let mut o = TransferOptions::default();
+            o.notify_imm = Some(1);
+            let r = engine.transfer(conn, Op::Read, &l, &remote, o).await;
+            assert!(matches!(r, Err(TransferError::Post(_))), "{r:?}");
+            // A closed connection: the cached plan is never posted on it.
+            engine.close_connection(conn).await;
+            let r = engine.read(conn, &l, &remote).await;
+            assert!(matches!(r, Err(TransferError::Connection(..))), "{r:?}");
+            report(&format!(
+                "plan cache: {} plans reused in this test",
+                engine.counters().plans_reused
+            ));
+            peer.finish();
+            engine.shutdown().await;
+        })
+    });
+}
+
 /// Runs `body` on a fresh glommio executor (for tests that need the `!Send` engine itself).
 fn on_executor(
     body: impl FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()>>> + Send + 'static,

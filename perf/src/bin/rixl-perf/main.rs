@@ -97,6 +97,7 @@ fn engine_config(a: &Args, test: Test, max_size: u64, tx_depth: u32, conns: u32)
     cfg.connect.port = a.ib_port;
     cfg.poll_mode = a.poll_mode;
     cfg.coalesce = a.coalesce;
+    cfg.plan_cache = a.plan_cache;
     if let Some(n) = a.spin_polls {
         cfg.spin_polls = n;
     }
@@ -775,8 +776,9 @@ fn banner(a: &Args) {
         }
     );
     println!(
-        " Prepared transfers: {} | Coalescing: {}",
+        " Prepared transfers: {} | Plan cache: {} | Coalescing: {}",
         if a.prepared { "on" } else { "off" },
+        if a.plan_cache { "on" } else { "off" },
         if a.coalesce { "on" } else { "off" }
     );
     println!("{line}");
