@@ -205,9 +205,6 @@ pub struct EngineCounters {
     /// Receive buffers held back because a connection's reader was over `INBOX_LIMIT`
     /// messages behind (its sender met receiver-not-ready back-pressure).
     pub receives_held_back: u64,
-    /// Transfers posted with a plan made for the same descriptors before (the runtime's plan
-    /// cache: prepared posting chosen automatically), skipping their checks and planning.
-    pub plans_reused: u64,
 }
 
 /// A message received on a connection.

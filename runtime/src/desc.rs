@@ -388,11 +388,6 @@ impl Region {
         self.inner.engine
     }
 
-    /// This region's identity, without keeping it alive (the engine's plan cache).
-    pub(crate) fn identity(&self) -> RegionIdentity {
-        RegionIdentity(Arc::downgrade(&self.inner))
-    }
-
     /// Whether two handles are the same registration.
     pub fn same(&self, other: &Region) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
@@ -421,22 +416,6 @@ impl rixl_nvlink::ipc::DeviceRange for Region {
 
 fn gpu_err(e: rixl_gpudirect::Error) -> rixl_verbs::Error {
     rixl_verbs::Error::InvalidArgument(format!("GPU copy: {e}"))
-}
-
-/// Names one [`Region`] without keeping it alive. It keeps the region's handle allocation, so
-/// no other region can ever have its address: comparing identities by address is sound.
-pub(crate) struct RegionIdentity(Weak<RegionInner>);
-
-impl RegionIdentity {
-    /// Whether `r` is the region this names.
-    pub(crate) fn is(&self, r: &Region) -> bool {
-        std::ptr::eq(self.0.as_ptr(), Arc::as_ptr(&r.inner))
-    }
-
-    /// The address it names (for hashing).
-    pub(crate) fn addr_of(r: &Region) -> usize {
-        Arc::as_ptr(&r.inner) as usize
-    }
 }
 
 /// A list of local descriptors over one or more registered regions.

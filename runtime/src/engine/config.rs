@@ -70,11 +70,6 @@ pub struct EngineConfig {
     /// queued; many concurrent small transfers share doorbells and completions. `false`
     /// posts every transfer at once with its own doorbell.
     pub coalesce: bool,
-    /// Reuse the plan of a small transfer (at most 4 descriptors a side) whose connection,
-    /// operation, regions and descriptors were seen before (on by default): prepared posting
-    /// chosen automatically, with the connection and notification still checked on every post.
-    /// `false` checks and plans every transfer.
-    pub plan_cache: bool,
     /// How long an engine's core spins for new work before it sleeps (glommio's
     /// `spin_before_park`; zero: it sleeps at once). A sleeping core takes a cross-thread
     /// wake-up (an eventfd and a scheduler round, tens of µs in a VM) to see the next command
@@ -113,7 +108,6 @@ impl Default for EngineConfig {
             spin_polls: 256,
             timing: false,
             coalesce: true,
-            plan_cache: true,
             spin_before_park: Duration::from_micros(100),
             require_nic: true,
             file: crate::file::FileConfig::default(),

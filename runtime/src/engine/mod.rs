@@ -7,7 +7,6 @@ mod config;
 mod events;
 mod grant;
 mod nic;
-mod plan_cache;
 mod progress;
 mod transfer;
 
@@ -71,8 +70,6 @@ pub(crate) struct Inner {
     events_stop: Arc<std::sync::atomic::AtomicBool>,
     /// Takes the commands other threads sent to this core ([`Engine::set_command_pump`]).
     pump: RefCell<Option<Box<dyn Fn()>>>,
-    /// Plans of small transfers seen before ([`plan_cache`]).
-    plans: RefCell<plan_cache::PlanCache>,
 }
 
 /// A per-core transfer engine. Cheap to clone (all clones are the same engine); `!Send`.
@@ -167,7 +164,6 @@ impl Engine {
             cq_failed: Cell::new(false),
             events_stop: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             pump: RefCell::new(None),
-            plans: RefCell::default(),
         });
         glommio::spawn_local(progress::supervised(Rc::clone(&inner))).detach();
         events::start(&inner, inner.pd.context(), Arc::clone(&inner.events_stop));

@@ -438,65 +438,6 @@ fn check_and_plan(
     )
 }
 
-/// A transfer's plan: made now (returned to the core's pool once posted) or reused from the
-/// plan cache.
-enum Planned {
-    Fresh(Plan),
-    Cached(Rc<Plan>),
-}
-
-impl Planned {
-    fn plan(&self) -> &Plan {
-        match self {
-            Planned::Fresh(p) => p,
-            Planned::Cached(p) => p,
-        }
-    }
-}
-
-/// The plan of a transfer: reused when the plan cache holds one for these descriptors on this
-/// connection's epoch (prepared posting, chosen automatically), else checked and planned now
-/// (and offered to the cache).
-fn plan_for(
-    inner: &Inner,
-    conn: ConnId,
-    op: Op,
-    local: &LocalDescList,
-    remote: &RemoteDescList,
-    notify_imm: bool,
-) -> Result<Planned, TransferError> {
-    let key = if inner.cfg.plan_cache {
-        super::plan_cache::Key::of(conn, op, local, remote)
-    } else {
-        None
-    };
-    if let Some(k) = &key {
-        let hit = inner.plans.borrow().get(k);
-        if let Some((epoch, plan)) = hit {
-            let mut core = inner.core.borrow_mut();
-            // A failed or replaced connection, or a notification on a READ: planned afresh
-            // below, which gives the typed error.
-            if core.check_epoch(conn, epoch, op, notify_imm).is_ok() {
-                core.counters_mut().plans_reused += 1;
-                return Ok(Planned::Cached(plan));
-            }
-        }
-    }
-    let mut plan = inner.core.borrow_mut().take_plan();
-    match check_and_plan(inner, conn, op, local, remote, notify_imm, &mut plan) {
-        Ok(epoch) => {
-            if let Some(k) = &key {
-                inner.plans.borrow_mut().offer(k, epoch, &plan);
-            }
-            Ok(Planned::Fresh(plan))
-        }
-        Err(e) => {
-            inner.core.borrow_mut().recycle_plan(plan);
-            Err(e)
-        }
-    }
-}
-
 async fn transfer_inner(
     inner: Rc<Inner>,
     conn: ConnId,
@@ -508,18 +449,26 @@ async fn transfer_inner(
 ) -> Result<TransferStats, TransferFailure> {
     let clock = || inner.cfg.timing.then(Instant::now);
     let t0 = clock();
-    let planned = plan_for(&inner, conn, op, local, remote, opts.notify_imm.is_some())
-        .map_err(|e| TransferFailure::before_posting(e, local.len()))?;
-    let plan = planned.plan();
+    let mut plan = inner.core.borrow_mut().take_plan();
+    if let Err(e) = check_and_plan(
+        &inner,
+        conn,
+        op,
+        local,
+        remote,
+        opts.notify_imm.is_some(),
+        &mut plan,
+    ) {
+        inner.core.borrow_mut().recycle_plan(plan);
+        return Err(TransferFailure::before_posting(e, local.len()));
+    }
     span.record("bytes", plan.bytes);
     span.record("wrs", plan.wrs.len());
     let prepared = clock();
-    let mut guard = post_plan(&inner, conn, op, plan, local.regions(), &opts).await;
+    let mut guard = post_plan(&inner, conn, op, &plan, local.regions(), &opts).await;
     let (bytes, work_requests) = (plan.bytes, plan.wrs.len());
     // The plan goes back to the pool before the wait: concurrent transfers share few plans.
-    if let Planned::Fresh(p) = planned {
-        inner.core.borrow_mut().recycle_plan(p);
-    }
+    inner.core.borrow_mut().recycle_plan(plan);
     let posted = clock();
     crate::supervise::fail_point("rixl-transfer-posted");
     wait_slot(&mut guard)

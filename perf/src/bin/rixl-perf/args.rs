@@ -103,9 +103,6 @@ pub struct Args {
     pub coalesce: bool,
     /// Prepare each transfer once and re-post it (`--prepared`: `Engine::prepare` + `post`).
     pub prepared: bool,
-    /// Reuse the plans of repeated small transfers (the engine's default; `--no-plan-cache`
-    /// turns it off).
-    pub plan_cache: bool,
     /// How write_lat detects arrival: a flag byte in memory (perftest's way) or WRITE_WITH_IMM.
     pub notify: Notify,
     pub engines: u32,
@@ -205,10 +202,6 @@ pub struct PerftestArgs {
     /// requests; READ/WRITE tests)
     #[arg(long = "prepared", help_heading = "rixl options")]
     prepared: bool,
-    /// Check and plan every transfer, even one whose descriptors repeat (the engine's plan
-    /// cache off)
-    #[arg(long = "no-plan-cache", help_heading = "rixl options")]
-    no_plan_cache: bool,
     /// write_lat arrival: a flag byte in memory, as perftest, or WRITE_WITH_IMM and a receive
     /// completion
     #[arg(long = "notify", value_name = "HOW", value_enum, default_value_t = Notify::Flag,
@@ -270,7 +263,6 @@ impl PerftestArgs {
             spin_polls: self.spin_polls,
             coalesce: !self.no_coalesce,
             prepared: self.prepared,
-            plan_cache: !self.no_plan_cache,
             notify: self.notify,
             engines: self.engines,
             cpu: self.cpu,
@@ -514,9 +506,6 @@ mod tests {
         assert!(p("write_bw").expect("ok").coalesce);
         assert!(!p("write_bw --no-coalesce").expect("ok").coalesce);
         assert!(p("write_bw --coalesce --no-coalesce").is_err());
-        // The plan cache is the default; --no-plan-cache turns it off.
-        assert!(p("write_bw").expect("ok").plan_cache);
-        assert!(!p("write_bw --no-plan-cache").expect("ok").plan_cache);
         assert_eq!(
             p("read_lat --spin-polls 0").expect("ok").spin_polls,
             Some(0)

@@ -97,7 +97,6 @@ fn engine_config(a: &Args, test: Test, max_size: u64, tx_depth: u32, conns: u32)
     cfg.connect.port = a.ib_port;
     cfg.poll_mode = a.poll_mode;
     cfg.coalesce = a.coalesce;
-    cfg.plan_cache = a.plan_cache;
     if let Some(n) = a.spin_polls {
         cfg.spin_polls = n;
     }
@@ -776,9 +775,8 @@ fn banner(a: &Args) {
         }
     );
     println!(
-        " Prepared transfers: {} | Plan cache: {} | Coalescing: {}",
+        " Prepared transfers: {} | Coalescing: {}",
         if a.prepared { "on" } else { "off" },
-        if a.plan_cache { "on" } else { "off" },
         if a.coalesce { "on" } else { "off" }
     );
     println!("{line}");
