@@ -128,6 +128,13 @@ fn main() -> Result<(), BoxError> {
         r
     })?;
     let (hist, over_10ms) = (m.hist, m.over_10ms);
+    // How the reading engine waited: parks (progress task idle), CQ event waits, empty polls.
+    for (rail, c) in block_on(user.rail_counters()).iter().enumerate() {
+        eprintln!(
+            "rail {rail}: {} completions, {} polls ({} empty), {} parks, {} event waits",
+            c.completions, c.polls, c.empty_polls, c.parks, c.event_waits
+        );
+    }
     println!(
         "agent_latency: {} B READ x {} ({} background readers{}) in {:.2} s: p50 {} us, p99 {} us, max {} us, {} over 10 ms",
         args.size,
