@@ -153,6 +153,18 @@ impl Rails {
         parts: Vec<RailPart>,
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferFailure> {
+        // One part (every transfer below the striping size): no boxed future, no join.
+        if parts.len() == 1 {
+            if let Some(p) = parts.into_iter().next() {
+                let engine = self.engine(p.slice.rail);
+                return counts_of(
+                    engine
+                        .transfer_ranges(p.conn, op, p.slice.local, p.slice.remote, opts)
+                        .await,
+                );
+            }
+            return sum_stats(Vec::new());
+        }
         let futs: Vec<_> = parts
             .into_iter()
             .map(|p| {
@@ -197,6 +209,9 @@ impl Rails {
         parts: &[PreparedPart],
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferFailure> {
+        if let [p] = parts {
+            return counts_of(self.engine(p.rail).post_ranges(&p.prepared, opts).await);
+        }
         let futs: Vec<_> = parts
             .iter()
             .map(|p| {
@@ -240,12 +255,23 @@ pub fn lanes(local: &[usize], remote: &[usize], shared: usize) -> Vec<usize> {
 pub fn sum_stats<E>(results: Vec<Result<TransferStats, E>>) -> Result<TransferStats, E> {
     let mut total = TransferStats::default();
     for r in results {
-        let st = r?;
-        total.bytes += st.bytes;
-        total.descriptors += st.descriptors;
-        total.work_requests += st.work_requests;
-        total.doorbells += st.doorbells;
+        add_counts(&mut total, &r?);
     }
+    Ok(total)
+}
+
+/// Adds the counts of `st` (not its timings) to `total`.
+fn add_counts(total: &mut TransferStats, st: &TransferStats) {
+    total.bytes += st.bytes;
+    total.descriptors += st.descriptors;
+    total.work_requests += st.work_requests;
+    total.doorbells += st.doorbells;
+}
+
+/// The counts of one part's stats, as [`sum_stats`] gives them for several.
+fn counts_of<E>(r: Result<TransferStats, E>) -> Result<TransferStats, E> {
+    let mut total = TransferStats::default();
+    add_counts(&mut total, &r?);
     Ok(total)
 }
 

@@ -128,6 +128,10 @@ pub(crate) async fn ensure(
     rail: usize,
     deadline: Option<Instant>,
 ) -> Result<ConnId, AgentError> {
+    // The common case, a live connection: no clock read, no allocation.
+    if let Some(c) = current(inner, peer, rail)? {
+        return Ok(c);
+    }
     let key = LinkKey {
         peer: peer.to_string(),
         rail,
