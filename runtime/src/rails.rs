@@ -154,8 +154,8 @@ impl Rails {
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferFailure> {
         // One part (every transfer below the striping size): no boxed future, no join.
-        if parts.len() == 1 {
-            if let Some(p) = parts.into_iter().next() {
+        let parts = match <[RailPart; 1]>::try_from(parts) {
+            Ok([p]) => {
                 let engine = self.engine(p.slice.rail);
                 return counts_of(
                     engine
@@ -163,8 +163,8 @@ impl Rails {
                         .await,
                 );
             }
-            return sum_stats(Vec::new());
-        }
+            Err(parts) => parts,
+        };
         let futs: Vec<_> = parts
             .into_iter()
             .map(|p| {
