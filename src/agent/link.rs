@@ -138,12 +138,10 @@ pub(crate) async fn ensure(
     };
     let started = Instant::now();
     loop {
-        if let Some(c) = current(inner, peer, rail)? {
-            return Ok(c);
-        }
         let step = {
             let mut states = lock(&inner.links.states);
-            // A set-up may have ended between the snapshot read and the lock.
+            // A set-up may have ended since the check above or the last wait: look again under
+            // the lock.
             if let Some(c) = current(inner, peer, rail)? {
                 return Ok(c);
             }
