@@ -454,18 +454,13 @@ fn prepared_requests_repost_scattered_blocks_and_refuse_stale_metadata() {
     if agent_device().is_none() {
         return;
     }
-    let make = |name: &str, cpu: usize| {
-        let mut cfg = AgentConfig::default();
-        cfg.cpu = cpu % rixl::runtime::available_cpus().len();
-        Agent::new(name, cfg).expect("agent")
-    };
-    let target = make("req-target", 1);
+    let target = agent_on("req-target", 1);
     let len = BLOCKS * BLOCK;
     let kv = block_on(target.register(len as usize, Visibility::All)).expect("register");
     let spare = block_on(target.register(BLOCK as usize, Visibility::All)).expect("register");
     let mut notes = target.notifications().expect("stream");
     let addr = target.listen("127.0.0.1:0").expect("listen").to_string();
-    let me = make("req-source", 0);
+    let me = agent_on("req-source", 0);
     let peer = me.fetch_remote_metadata(&addr).expect("metadata");
     let mine = block_on(me.register(len as usize, Visibility::All)).expect("register");
     // 256 local blocks in order, written to a scattered permutation of the peer's blocks
@@ -792,13 +787,8 @@ fn agent_writes_from_a_task_on_its_engine_core_skip_the_hand_off() {
     if agent_device().is_none() {
         return;
     }
-    let make = |name: &str, cpu: usize| {
-        let mut cfg = AgentConfig::default();
-        cfg.cpu = cpu;
-        Agent::new(name, cfg).expect("agent")
-    };
-    let owner = make("core-owner", 1);
-    let user = make("core-user", 0);
+    let owner = agent_on("core-owner", 1);
+    let user = agent_on("core-user", 0);
     let blocks = 256u64;
     let len = blocks * 4096;
     let dst = block_on(owner.register(len as usize, Visibility::All)).expect("register");
@@ -889,6 +879,14 @@ fn agent_writes_from_a_task_on_its_engine_core_skip_the_hand_off() {
     ));
     owner.shutdown();
     user.shutdown();
+}
+
+/// An agent of the default configuration with its engine on CPU `cpu` (modulo the CPUs there
+/// are).
+fn agent_on(name: &str, cpu: usize) -> Agent {
+    let mut cfg = AgentConfig::default();
+    cfg.cpu = cpu % rixl::runtime::available_cpus().len();
+    Agent::new(name, cfg).expect("agent")
 }
 
 fn agent_device() -> Option<()> {
