@@ -127,7 +127,6 @@ fn main() -> Result<(), BoxError> {
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         r
     })?;
-    let (hist, over_10ms) = (m.hist, m.over_10ms);
     // How the reading engine waited: parks (progress task idle), CQ event waits, empty polls.
     for (rail, c) in block_on(user.rail_counters()).iter().enumerate() {
         eprintln!(
@@ -142,10 +141,10 @@ fn main() -> Result<(), BoxError> {
         args.background,
         if args.on_core { ", on the engine core" } else { "" },
         t0.elapsed().as_secs_f64(),
-        hist.value_at_quantile(0.5),
-        hist.value_at_quantile(0.99),
-        hist.max(),
-        over_10ms
+        m.hist.value_at_quantile(0.5),
+        m.hist.value_at_quantile(0.99),
+        m.hist.max(),
+        m.over_10ms
     );
     user.shutdown();
     owner.shutdown();
