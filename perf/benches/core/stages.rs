@@ -237,96 +237,96 @@ fn stage_means(f: &mut Fixture, wait: bool, n: usize) -> [f64; 6] {
 /// here come back to back, so it does not sleep either). `None` where no engine core starts
 /// (io_uring or memlock refused).
 fn hand_off_median(n: usize, spin: std::time::Duration, caller_spins: bool) -> Option<f64> {
-    use rixl::runtime::{
-        EngineConfig, EnginePool, LocalDescList, RemoteDescList, TransferError, DEFAULT_IO_MEMORY,
-    };
-    let mut cfg = EngineConfig::default();
-    cfg.require_nic = false;
-    cfg.spin_before_park = spin;
-    // The engine on the last CPU, away from this thread if the scheduler allows.
-    let cpu = rixl::runtime::available_cpus().last().copied().unwrap_or(0);
-    let pool = match EnginePool::start(&cfg, &[cpu], DEFAULT_IO_MEMORY) {
-        Ok(p) => p,
-        Err(e) => {
-            println!("(no engine core for the hand-off: {e})");
-            return None;
-        }
-    };
-    let h = pool.handles()[0].clone();
+    let (pool, h) = nic_less_core(spin)?;
     // The caller either sleeps until it is woken (`block_on`, as a thread blocked on the call
     // would) or polls the reply in a loop (as a task of a busy executor would find it).
-    let wait = |fut| {
-        if caller_spins {
-            spin_on(fut)
-        } else {
-            futures_lite::future::block_on(fut)
-        }
-    };
     let call = || {
-        let r = wait(h.transfer(
-            ConnId(0),
-            Op::Write,
-            LocalDescList::new(),
-            RemoteDescList(Vec::new()),
-            TransferOptions::default(),
-        ));
-        assert!(matches!(r, Err(TransferError::NoNic)), "{r:?}");
+        if caller_spins {
+            spin_on(null_call(&h))
+        } else {
+            futures_lite::future::block_on(null_call(&h))
+        }
     };
     for _ in 0..n.min(1000) {
         call();
     }
-    let mut v: Vec<u64> = (0..n)
+    let v: Vec<u64> = (0..n)
         .map(|_| {
             let t = std::time::Instant::now();
             call();
             t.elapsed().as_nanos() as u64
         })
         .collect();
-    v.sort_unstable();
     pool.shutdown();
-    Some(v[v.len() / 2] as f64)
+    Some(median(v))
 }
 
 /// The same call made from a task on the engine's own core (`EngineHandle::run_on_core`, as a
 /// serving engine's step loop there makes it): it starts on the core without the hand-off.
 /// Median ns per call over `n` calls, timed inside the task.
 fn on_core_median(n: usize) -> Option<f64> {
-    use rixl::runtime::{
-        EngineConfig, EnginePool, LocalDescList, RemoteDescList, TransferError, DEFAULT_IO_MEMORY,
-    };
-    let mut cfg = EngineConfig::default();
-    cfg.require_nic = false;
-    let cpu = rixl::runtime::available_cpus().last().copied().unwrap_or(0);
-    let pool = EnginePool::start(&cfg, &[cpu], DEFAULT_IO_MEMORY).ok()?;
-    let h = pool.handles()[0].clone();
+    let (pool, h) = nic_less_core(rixl::runtime::EngineConfig::default().spin_before_park)?;
     let inner = h.clone();
-    let mut v = futures_lite::future::block_on(h.run_on_core(move || async move {
+    let v = futures_lite::future::block_on(h.run_on_core(move || async move {
+        for _ in 0..n.min(1000) {
+            null_call(&inner).await;
+        }
         let mut v = Vec::with_capacity(n);
-        for i in 0..n + n.min(1000) {
+        for _ in 0..n {
             let t = std::time::Instant::now();
-            let r = inner
-                .transfer(
-                    ConnId(0),
-                    Op::Write,
-                    LocalDescList::new(),
-                    RemoteDescList(Vec::new()),
-                    TransferOptions::default(),
-                )
-                .await;
-            let ns = t.elapsed().as_nanos() as u64;
-            assert!(matches!(r, Err(TransferError::NoNic)), "{r:?}");
-            if i >= n.min(1000) {
-                v.push(ns);
-            }
+            null_call(&inner).await;
+            v.push(t.elapsed().as_nanos() as u64);
         }
         v
     }))
     .ok()?;
     let counted = h.hand_off_counters();
     assert!(counted.on_core >= n as u64, "{counted:?}");
-    v.sort_unstable();
     pool.shutdown();
-    Some(v[v.len() / 2] as f64)
+    Some(median(v))
+}
+
+/// A real engine core without a NIC (none on this machine), spinning `spin` before it sleeps,
+/// on the last CPU (away from this thread if the scheduler allows); `None`, with the reason
+/// printed, where no engine core starts (io_uring or memlock refused).
+fn nic_less_core(
+    spin: std::time::Duration,
+) -> Option<(rixl::runtime::EnginePool, rixl::runtime::EngineHandle)> {
+    let mut cfg = rixl::runtime::EngineConfig::default();
+    cfg.require_nic = false;
+    cfg.spin_before_park = spin;
+    let cpu = rixl::runtime::available_cpus().last().copied().unwrap_or(0);
+    match rixl::runtime::EnginePool::start(&cfg, &[cpu], rixl::runtime::DEFAULT_IO_MEMORY) {
+        Ok(pool) => {
+            let h = pool.handles()[0].clone();
+            Some((pool, h))
+        }
+        Err(e) => {
+            println!("(no engine core for the hand-off: {e})");
+            None
+        }
+    }
+}
+
+/// One `EngineHandle` transfer call, answered on the core without a NIC by its typed `NoNic`.
+async fn null_call(h: &rixl::runtime::EngineHandle) {
+    use rixl::runtime::{LocalDescList, RemoteDescList, TransferError};
+    let r = h
+        .transfer(
+            ConnId(0),
+            Op::Write,
+            LocalDescList::new(),
+            RemoteDescList(Vec::new()),
+            TransferOptions::default(),
+        )
+        .await;
+    assert!(matches!(r, Err(TransferError::NoNic)), "{r:?}");
+}
+
+/// The median of `v`.
+fn median(mut v: Vec<u64>) -> f64 {
+    v.sort_unstable();
+    v[v.len() / 2] as f64
 }
 
 /// For scale: a bare round trip between two threads of this machine that both spin (a value
@@ -346,7 +346,7 @@ fn bare_round_trip(n: usize) -> f64 {
             Err(TryRecvError::Disconnected) => return,
         }
     });
-    let mut v: Vec<u64> = (0..n as u64)
+    let v: Vec<u64> = (0..n as u64)
         .map(|i| {
             let t = std::time::Instant::now();
             to_tx.send(i).expect("echo thread alive");
@@ -365,8 +365,7 @@ fn bare_round_trip(n: usize) -> f64 {
         .collect();
     drop(to_tx);
     echo.join().expect("echo thread");
-    v.sort_unstable();
-    v[v.len() / 2] as f64
+    median(v)
 }
 
 /// Polls `fut` in a loop until it is ready, never sleeping.
