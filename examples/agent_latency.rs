@@ -6,7 +6,7 @@
 //! agent's engine core (`Agent::run_on_core`), where calls start without the hand-off.
 //!
 //! ```text
-//! agent_latency [--size 4096] [--iters 2000] [--background 1] [--on-core]
+//! agent_latency [--size 4096] [--iters 2000] [--background 1] [--on-core] [--reply-spin-us N]
 //! ```
 
 use std::time::{Duration, Instant};
@@ -33,6 +33,10 @@ struct Args {
     /// Run the measured loop on the reading agent's engine core (no hand-off per call).
     #[arg(long)]
     on_core: bool,
+    /// µs a calling thread polls for a reply before it waits (`EngineConfig::reply_spin`;
+    /// the engine's default when not given).
+    #[arg(long)]
+    reply_spin_us: Option<u64>,
 }
 
 /// What the measured loop saw.
@@ -79,6 +83,9 @@ fn main() -> Result<(), BoxError> {
     let mk = |cpu: usize| {
         let mut cfg = AgentConfig::default().with_cluster_key(key.clone());
         cfg.cpu = cpu % cpus;
+        if let Some(us) = args.reply_spin_us {
+            cfg.engine.reply_spin = Duration::from_micros(us);
+        }
         cfg
     };
     let owner = Agent::new("lat-owner", mk(1))?;

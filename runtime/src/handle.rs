@@ -1,14 +1,12 @@
 //! A `Send` handle to an engine running on another core: each call ships a job to the core that
 //! owns the engine and resolves on the caller's side when the job's future ends there.
 
-use std::cell::RefCell;
 use std::future::Future;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures_channel::{mpsc, oneshot};
-use futures_lite::StreamExt;
 use rixl_verbs::{Endpoint, HostBuffer};
 
 use crate::desc::{LocalDescList, Op, Region, RemoteDescList, SharedMr};
@@ -31,6 +29,8 @@ struct Served {
     files: Rc<FileStore>,
     cfg: Rc<EngineConfig>,
     id: u64,
+    /// The tasks its jobs started that are still running.
+    live: Rc<serve::LiveJobs>,
 }
 
 impl Served {
@@ -119,6 +119,8 @@ pub struct EngineHandle {
     /// The NIC's verbs device name (`None` on a core without one).
     device: Option<Arc<str>>,
     hand_offs: Arc<local::HandOffs>,
+    /// `EngineConfig::reply_spin`.
+    reply_spin: Duration,
 }
 
 impl std::fmt::Debug for Command {
@@ -132,6 +134,9 @@ impl std::fmt::Debug for Command {
 
 mod gpu;
 mod local;
+mod serve;
+
+pub(crate) use serve::serve_core;
 
 pub use local::HandOffCounters;
 
@@ -148,7 +153,9 @@ impl EngineHandle {
         let (reply, rx) = oneshot::channel();
         let run: Job = Box::new(move |served| {
             let engine = served.engine.clone();
+            let live = served.live.enter();
             glommio::spawn_local(async move {
+                let _live = live;
                 let out = supervise::catching(async move { job(served).await }).await;
                 let _ = reply.send(out.map_err(|p| contained(engine.as_ref(), p)));
             })
@@ -163,7 +170,12 @@ impl EngineHandle {
     /// slot is then detached: requests not yet posted never are, posted ones drain, and the
     /// in-flight table keeps the memory until they have). A job whose caller is already gone
     /// when it reaches the core never starts.
-    async fn on_core_or_cancel<T, F, Fut>(&self, job: F) -> Result<T, Lost>
+    ///
+    /// `rdma_only`: the job only moves data over RDMA (a transfer or a post), whose
+    /// completions the engine's progress loop or the transfer itself polls. With a busy-polled
+    /// engine such a job needs nothing from the core's reactor, so the serving task may spin for
+    /// the next call while it runs.
+    async fn on_core_or_cancel<T, F, Fut>(&self, rdma_only: bool, job: F) -> Result<T, Lost>
     where
         T: Send + 'static,
         F: FnOnce(Served) -> Fut + Send + 'static,
@@ -172,7 +184,10 @@ impl EngineHandle {
         let (mut reply, rx) = oneshot::channel();
         let run: Job = Box::new(move |served| {
             let engine = served.engine.clone();
+            let polled = rdma_only && served.cfg.poll_mode == crate::engine::PollMode::Busy;
+            let live = (!polled).then(|| served.live.enter());
             glommio::spawn_local(async move {
+                let _live = live;
                 let out = supervise::catching(futures_lite::future::or(
                     async {
                         reply.cancellation().await;
@@ -210,6 +225,12 @@ impl EngineHandle {
     /// The verbs device name of this core's NIC (`mlx5_0`, `rxe0`), if it has one.
     pub fn device_name(&self) -> Option<&str> {
         self.device.as_deref()
+    }
+
+    /// How long a call from another thread polls for its reply before it waits
+    /// (`EngineConfig::reply_spin`).
+    pub fn reply_spin(&self) -> Duration {
+        self.reply_spin
     }
 
     /// Opens and registers a file in this core's FILE tier; see [`FileStore::open`].
@@ -443,8 +464,22 @@ impl EngineHandle {
         remote: RemoteDescList,
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferFailure> {
+        let call = self.transfer_ranges_unspun(conn, op, local, remote, opts);
+        self.spin_for_reply(call).await
+    }
+
+    /// [`Self::transfer_ranges`] without the reply spin: for a caller that awaits several
+    /// calls at once and spins for all of them (see [`Self::spin_for_reply`]).
+    pub(crate) async fn transfer_ranges_unspun(
+        &self,
+        conn: ConnId,
+        op: Op,
+        local: LocalDescList,
+        remote: RemoteDescList,
+        opts: TransferOptions,
+    ) -> Result<TransferStats, TransferFailure> {
         let descriptors = local.len();
-        self.on_core_or_cancel(move |s| async move {
+        self.on_core_or_cancel(true, move |s| async move {
             match s.engine.as_ref() {
                 Some(e) => e.transfer_ranges(conn, op, &local, &remote, opts).await,
                 None => Err(TransferFailure::before_posting(
@@ -528,9 +563,19 @@ impl EngineHandle {
         prepared: &Arc<PreparedTransfer>,
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferFailure> {
+        self.spin_for_reply(self.post_ranges_unspun(prepared, opts))
+            .await
+    }
+
+    /// [`Self::post_ranges`] without the reply spin (see [`Self::transfer_ranges_unspun`]).
+    pub(crate) async fn post_ranges_unspun(
+        &self,
+        prepared: &Arc<PreparedTransfer>,
+        opts: TransferOptions,
+    ) -> Result<TransferStats, TransferFailure> {
         let prepared = Arc::clone(prepared);
         let descriptors = prepared.descriptors();
-        self.on_core_or_cancel(move |s| async move {
+        self.on_core_or_cancel(true, move |s| async move {
             match s.engine.as_ref() {
                 Some(e) => e.post_ranges(&prepared, opts).await,
                 None => Err(TransferFailure::before_posting(
@@ -618,148 +663,6 @@ impl EngineHandle {
         let (tx, rx) = oneshot::channel();
         if self.tx.unbounded_send(Command::Shutdown(tx)).is_ok() {
             let _ = rx.await;
-        }
-    }
-}
-
-impl Engine {
-    /// Serves a [`EngineHandle`]: returns the handle and the task future to spawn on this
-    /// engine's executor (it ends on shutdown or when every handle is dropped).
-    pub fn handle(&self) -> (EngineHandle, impl Future<Output = ()>) {
-        serve_core(Some(self.clone()), self.id(), self.config().clone())
-    }
-}
-
-/// Serves a core: its RDMA engine when it has one, host memory otherwise, and its FILE tier.
-/// `cfg` is the core's configuration (the engine's, or the one given to a core without a NIC):
-/// the FILE tier's depth and I/O size and the default deadline come from it.
-pub(crate) fn serve_core(
-    engine: Option<Engine>,
-    id: u64,
-    cfg: EngineConfig,
-) -> (EngineHandle, impl Future<Output = ()>) {
-    let (tx, rx) = mpsc::unbounded();
-    let handle = EngineHandle {
-        tx,
-        id,
-        nic: engine.is_some(),
-        device: engine.as_ref().map(|e| Arc::from(e.device_name().as_str())),
-        hand_offs: Arc::default(),
-    };
-    let served = Served {
-        files: Rc::new(FileStore::new(cfg.file)),
-        cfg: Rc::new(cfg),
-        engine,
-        id,
-    };
-    let inbox = Rc::new(Inbox {
-        rx: RefCell::new(rx),
-        shutdown: RefCell::new(Vec::new()),
-        stopping: std::cell::Cell::new(false),
-        waker: RefCell::new(None),
-    });
-    if let Some(e) = &served.engine {
-        let (served, inbox) = (served.clone(), Rc::clone(&inbox));
-        e.set_command_pump(Box::new(move || inbox.pump(&served)));
-    }
-    (handle, serve(served, inbox))
-}
-
-/// The commands other threads sent to a core. Taken by the serving task when glommio wakes it,
-/// and by the progress loop at every turn ([`Inbox::pump`]), whichever comes first.
-struct Inbox {
-    rx: RefCell<mpsc::UnboundedReceiver<Command>>,
-    /// Shutdowns the pump took, for the serving task to carry out.
-    shutdown: RefCell<Vec<oneshot::Sender<()>>>,
-    /// A shutdown was taken: the pump takes nothing more (what comes after it never runs).
-    stopping: std::cell::Cell<bool>,
-    /// The serving task, told of a shutdown the pump took.
-    waker: RefCell<Option<std::task::Waker>>,
-}
-
-impl Inbox {
-    /// Starts every command waiting (jobs only spawn their tasks, so this is quick); a
-    /// shutdown is left to the serving task.
-    fn pump(&self, served: &Served) {
-        if self.stopping.get() {
-            return;
-        }
-        loop {
-            let cmd = match self.rx.try_borrow_mut() {
-                Ok(mut rx) => match rx.try_recv() {
-                    Ok(cmd) => cmd,
-                    Err(_) => return,
-                },
-                Err(_) => return,
-            };
-            match cmd {
-                Command::Run(job) => run_job(served, job),
-                Command::Shutdown(done) => {
-                    self.stopping.set(true);
-                    self.shutdown.borrow_mut().push(done);
-                    if let Some(w) = self.waker.borrow_mut().take() {
-                        w.wake();
-                    }
-                    return;
-                }
-            }
-        }
-    }
-
-    /// The next command (a shutdown the pump took first).
-    async fn next(&self) -> Option<Command> {
-        std::future::poll_fn(|cx| {
-            if let Some(done) = self.shutdown.borrow_mut().pop() {
-                return std::task::Poll::Ready(Some(Command::Shutdown(done)));
-            }
-            *self.waker.borrow_mut() = Some(cx.waker().clone());
-            self.rx.borrow_mut().poll_next(cx)
-        })
-        .await
-    }
-}
-
-/// Starts a job. It only spawns its task (which contains its own panics); a panic here must
-/// not end the core's service either.
-fn run_job(served: &Served, job: Job) {
-    if let Err(p) = supervise::catching_sync(|| job(served.clone())) {
-        let _ = contained(served.engine.as_ref(), p);
-    }
-}
-
-async fn serve(served: Served, inbox: Rc<Inbox>) {
-    // The pump holds the engine (and the engine the pump): let go of it however this ends.
-    let _release = ReleasePump(served.engine.clone());
-    // Calls made on this core from here on start their jobs here.
-    let _here = local::OnCore::enter(&served, &inbox);
-    while let Some(cmd) = inbox.next().await {
-        match cmd {
-            Command::Run(job) => run_job(&served, job),
-            Command::Shutdown(done) => {
-                inbox.stopping.set(true);
-                served.files.close_all().await;
-                if let Some(e) = &served.engine {
-                    e.clear_command_pump();
-                    e.clone().shutdown().await;
-                }
-                let _ = done.send(());
-                // Shutdowns asked for meanwhile are done too.
-                for d in inbox.shutdown.borrow_mut().drain(..) {
-                    let _ = d.send(());
-                }
-                return;
-            }
-        }
-    }
-}
-
-/// Clears an engine's command pump when dropped (the serving task ends, on any path).
-struct ReleasePump(Option<Engine>);
-
-impl Drop for ReleasePump {
-    fn drop(&mut self) {
-        if let Some(e) = &self.0 {
-            e.clear_command_pump();
         }
     }
 }

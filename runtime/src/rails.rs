@@ -165,18 +165,20 @@ impl Rails {
             }
             Err(parts) => parts,
         };
+        // Every part is started before the caller spins for the replies, once, for all.
+        let first = self.engine(parts.first().map_or(0, |p| p.slice.rail));
         let futs: Vec<_> = parts
             .into_iter()
             .map(|p| {
                 let engine = self.engine(p.slice.rail).clone();
                 Box::pin(async move {
                     engine
-                        .transfer_ranges(p.conn, op, p.slice.local, p.slice.remote, opts)
+                        .transfer_ranges_unspun(p.conn, op, p.slice.local, p.slice.remote, opts)
                         .await
                 })
             })
             .collect();
-        sum_stats(join_all(futs).await)
+        sum_stats(first.spin_for_reply(join_all(futs)).await)
     }
 
     /// Checks and plans every part once on its rail's engine.
@@ -212,15 +214,16 @@ impl Rails {
         if let [p] = parts {
             return counts_of(self.engine(p.rail).post_ranges(&p.prepared, opts).await);
         }
+        let first = self.engine(parts.first().map_or(0, |p| p.rail));
         let futs: Vec<_> = parts
             .iter()
             .map(|p| {
                 let engine = self.engine(p.rail).clone();
                 let prepared = Arc::clone(&p.prepared);
-                Box::pin(async move { engine.post_ranges(&prepared, opts).await })
+                Box::pin(async move { engine.post_ranges_unspun(&prepared, opts).await })
             })
             .collect();
-        sum_stats(join_all(futs).await)
+        sum_stats(first.spin_for_reply(join_all(futs)).await)
     }
 }
 

@@ -232,12 +232,18 @@ fn stage_means(f: &mut Fixture, wait: bool, n: usize) -> [f64; 6] {
 /// a thread other than the engine's core adds to the engine's transfer: the job sent to the
 /// core, its task spawned and run there, the result sent back and the caller woken. Measured
 /// with a real engine core (glommio, no NIC on this machine, so the transfer ends at once with
-/// its typed `NoNic` error on the core): median ns per call over `n` calls, the core kept awake
-/// (`spin_before_park`) and allowed to sleep between calls (the default 100 µs spin: calls
-/// here come back to back, so it does not sleep either). `None` where no engine core starts
-/// (io_uring or memlock refused).
-fn hand_off_median(n: usize, spin: std::time::Duration, caller_spins: bool) -> Option<f64> {
-    let (pool, h) = nic_less_core(spin)?;
+/// its typed `NoNic` error on the core): median ns per call over `n` calls, the core's serving
+/// task spinning for the next call for `spin` (`spin_before_park`; calls here come back to
+/// back, so with the default 100 µs it does not sleep either) and the caller polling for the
+/// reply for `reply_spin` before its future waits (`EngineConfig::reply_spin`). `None` where no
+/// engine core starts (io_uring or memlock refused).
+fn hand_off_median(
+    n: usize,
+    spin: std::time::Duration,
+    reply_spin: std::time::Duration,
+    caller_spins: bool,
+) -> Option<f64> {
+    let (pool, h) = nic_less_core(spin, reply_spin)?;
     // The caller either sleeps until it is woken (`block_on`, as a thread blocked on the call
     // would) or polls the reply in a loop (as a task of a busy executor would find it).
     let call = || {
@@ -265,7 +271,8 @@ fn hand_off_median(n: usize, spin: std::time::Duration, caller_spins: bool) -> O
 /// serving engine's step loop there makes it): it starts on the core without the hand-off.
 /// Median ns per call over `n` calls, timed inside the task.
 fn on_core_median(n: usize) -> Option<f64> {
-    let (pool, h) = nic_less_core(rixl::runtime::EngineConfig::default().spin_before_park)?;
+    let d = rixl::runtime::EngineConfig::default();
+    let (pool, h) = nic_less_core(d.spin_before_park, d.reply_spin)?;
     let inner = h.clone();
     let v = futures_lite::future::block_on(h.run_on_core(move || async move {
         for _ in 0..n.min(1000) {
@@ -287,14 +294,17 @@ fn on_core_median(n: usize) -> Option<f64> {
 }
 
 /// A real engine core without a NIC (none on this machine), spinning `spin` before it sleeps,
+/// its callers polling `reply_spin` for a reply,
 /// on the last CPU (away from this thread if the scheduler allows); `None`, with the reason
 /// printed, where no engine core starts (io_uring or memlock refused).
 fn nic_less_core(
     spin: std::time::Duration,
+    reply_spin: std::time::Duration,
 ) -> Option<(rixl::runtime::EnginePool, rixl::runtime::EngineHandle)> {
     let mut cfg = rixl::runtime::EngineConfig::default();
     cfg.require_nic = false;
     cfg.spin_before_park = spin;
+    cfg.reply_spin = reply_spin;
     let cpu = rixl::runtime::available_cpus().last().copied().unwrap_or(0);
     match rixl::runtime::EnginePool::start(&cfg, &[cpu], rixl::runtime::DEFAULT_IO_MEMORY) {
         Ok(pool) => {
@@ -407,13 +417,31 @@ pub fn print_stage_table(n: usize) {
     );
     let calls = (n / 20).max(200);
     let awake = std::time::Duration::from_secs(1);
-    let default = rixl::runtime::EngineConfig::default().spin_before_park;
-    for (what, spin, caller_spins) in [
-        ("core kept awake, caller polls", awake, true),
-        ("core kept awake, caller sleeps until woken", awake, false),
-        ("engine defaults, caller sleeps until woken", default, false),
+    let defaults = rixl::runtime::EngineConfig::default();
+    let (park, reply) = (defaults.spin_before_park, defaults.reply_spin);
+    let none = std::time::Duration::ZERO;
+    for (what, spin, reply_spin, caller_spins) in [
+        ("core kept awake, caller polls", awake, none, true),
+        (
+            "core kept awake, caller sleeps until woken, no reply spin",
+            awake,
+            none,
+            false,
+        ),
+        (
+            "engine defaults but no reply spin, caller sleeps until woken",
+            park,
+            none,
+            false,
+        ),
+        (
+            "engine defaults (reply spin on), caller sleeps until woken",
+            park,
+            reply,
+            false,
+        ),
     ] {
-        if let Some(ns) = hand_off_median(calls, spin, caller_spins) {
+        if let Some(ns) = hand_off_median(calls, spin, reply_spin, caller_spins) {
             println!("| hand-off from another thread and back ({what}; median of {calls} calls) | {ns:.0} | |");
         }
     }

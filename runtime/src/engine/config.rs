@@ -75,6 +75,12 @@ pub struct EngineConfig {
     /// wake-up (an eventfd and a scheduler round, tens of µs in a VM) to see the next command
     /// from another thread, such as a CUDA-IPC transfer's copies to await.
     pub spin_before_park: Duration,
+    /// How long a thread that called an engine handle's transfer or post from outside the
+    /// engine's core polls for the reply before its future returns `Pending` (zero: not at
+    /// all). A reply within it costs the caller no wake-up (a futex and a scheduler round,
+    /// 15-20 µs on the development VM); past it, the caller has spent this much CPU and waits
+    /// as before. Calls made on an engine core never spin: that would hold up the core.
+    pub reply_spin: Duration,
     /// Fail to start when no RDMA device can be opened (`false`: such a core still serves host
     /// memory and the FILE tier; RDMA calls then fail with a typed error).
     pub require_nic: bool,
@@ -109,6 +115,7 @@ impl Default for EngineConfig {
             timing: false,
             coalesce: true,
             spin_before_park: Duration::from_micros(100),
+            reply_spin: Duration::from_micros(20),
             require_nic: true,
             file: crate::file::FileConfig::default(),
             window_grants: false,

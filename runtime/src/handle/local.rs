@@ -8,9 +8,12 @@
 use std::cell::RefCell;
 use std::future::Future;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::task::Poll;
+use std::time::Instant;
 
-use super::{run_job, EngineHandle, Inbox, Job, Lost, Served};
+use super::serve::{run_job, Inbox};
+use super::{EngineHandle, Job, Lost, Served};
 use crate::error::RuntimeError;
 
 thread_local! {
@@ -31,12 +34,23 @@ pub struct HandOffCounters {
     pub on_core: u64,
     /// Calls sent to the core from another thread.
     pub sent: u64,
+    /// Of the sent calls, those the core's serving task found by looking (while it spun for
+    /// the next call, or right after the last one) rather than by being woken for them: they
+    /// cost no turn of the core's reactor.
+    pub taken_without_wake: u64,
+    /// Calls whose caller polled for the reply (`EngineConfig::reply_spin`) before waiting.
+    pub reply_spins: u64,
+    /// Of those, the ones whose reply came within the spin: no wake-up was needed.
+    pub replies_caught: u64,
 }
 
 impl std::ops::AddAssign for HandOffCounters {
     fn add_assign(&mut self, o: HandOffCounters) {
         self.on_core += o.on_core;
         self.sent += o.sent;
+        self.taken_without_wake += o.taken_without_wake;
+        self.reply_spins += o.reply_spins;
+        self.replies_caught += o.replies_caught;
     }
 }
 
@@ -45,6 +59,51 @@ impl std::ops::AddAssign for HandOffCounters {
 pub(super) struct HandOffs {
     on_core: AtomicU64,
     sent: AtomicU64,
+    taken_without_wake: AtomicU64,
+    reply_spins: AtomicU64,
+    replies_caught: AtomicU64,
+    /// Reply spins in a row that ended without the reply.
+    reply_misses: AtomicU32,
+    /// Calls that could have spun, for the probes.
+    reply_calls: AtomicU32,
+}
+
+/// Reply spins in a row that may miss before callers stop spinning (and only probe).
+const REPLY_SPIN_MISSES: u32 = 8;
+
+/// While callers do not spin, every this many calls spins once to see if replies come
+/// quickly again.
+const REPLY_SPIN_PROBE_EVERY: u32 = 64;
+
+impl HandOffs {
+    /// Whether a caller spins for its reply: while recent spins caught their replies, and
+    /// as a probe every [`REPLY_SPIN_PROBE_EVERY`] calls once they stopped doing so (replies
+    /// slower than the spin, such as an emulated NIC's, or a CPU shared with the core).
+    fn spin_for_reply(&self) -> bool {
+        let calls = self.reply_calls.fetch_add(1, Ordering::Relaxed);
+        self.reply_misses.load(Ordering::Relaxed) < REPLY_SPIN_MISSES
+            || calls.is_multiple_of(REPLY_SPIN_PROBE_EVERY)
+    }
+
+    /// How a reply spin ended.
+    fn spun(&self, caught: bool) {
+        self.reply_spins.fetch_add(1, Ordering::Relaxed);
+        if caught {
+            self.replies_caught.fetch_add(1, Ordering::Relaxed);
+            self.reply_misses.store(0, Ordering::Relaxed);
+        } else {
+            let _ = self
+                .reply_misses
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |m| {
+                    Some(m.saturating_add(1))
+                });
+        }
+    }
+
+    /// The serving task found a sent call without waiting for it.
+    pub(super) fn note_taken_without_wake(&self) {
+        self.taken_without_wake.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// While alive, this thread is the core of the engine `served` serves: calls to its handle
@@ -103,6 +162,9 @@ impl EngineHandle {
         HandOffCounters {
             on_core: self.hand_offs.on_core.load(Ordering::Relaxed),
             sent: self.hand_offs.sent.load(Ordering::Relaxed),
+            taken_without_wake: self.hand_offs.taken_without_wake.load(Ordering::Relaxed),
+            reply_spins: self.hand_offs.reply_spins.load(Ordering::Relaxed),
+            replies_caught: self.hand_offs.replies_caught.load(Ordering::Relaxed),
         }
     }
 
@@ -123,8 +185,95 @@ impl EngineHandle {
         F: FnOnce() -> Fut + Send + 'static,
         Fut: Future<Output = T> + 'static,
     {
-        self.on_core_or_cancel(move |_| f())
+        self.on_core_or_cancel(false, move |_| f())
             .await
             .map_err(RuntimeError::from)
+    }
+}
+
+/// Polls of a spinning caller between two clock reads.
+const POLLS_PER_CLOCK_READ: u32 = 32;
+
+/// Whether this thread is an engine's core (its serving task is running here).
+fn on_an_engine_core() -> bool {
+    HERE.try_with(|h| h.borrow().is_some()).unwrap_or(false)
+}
+
+impl EngineHandle {
+    /// Awaits `call` (this handle's reply, or several calls' joined), polling it in a loop
+    /// for up to `EngineConfig::reply_spin` when its first poll finds it pending, so a reply
+    /// that comes back within that costs the caller no wake-up. Not on an engine core (the
+    /// reply may need this very thread), and only while such spins pay (see
+    /// [`HandOffs::spin_for_reply`]). Polling again is harmless: the futures here only
+    /// re-register their waker.
+    pub(crate) async fn spin_for_reply<F: Future>(&self, call: F) -> F::Output {
+        let mut call = std::pin::pin!(call);
+        let mut first = true;
+        std::future::poll_fn(move |cx| {
+            if let Poll::Ready(v) = call.as_mut().poll(cx) {
+                return Poll::Ready(v);
+            }
+            if !std::mem::take(&mut first)
+                || self.reply_spin.is_zero()
+                || on_an_engine_core()
+                || !self.hand_offs.spin_for_reply()
+            {
+                return Poll::Pending;
+            }
+            let start = Instant::now();
+            loop {
+                for _ in 0..POLLS_PER_CLOCK_READ {
+                    std::hint::spin_loop();
+                    if let Poll::Ready(v) = call.as_mut().poll(cx) {
+                        self.hand_offs.spun(true);
+                        return Poll::Ready(v);
+                    }
+                }
+                if start.elapsed() >= self.reply_spin {
+                    self.hand_offs.spun(false);
+                    return Poll::Pending;
+                }
+            }
+        })
+        .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reply_spins_stop_after_misses_in_a_row_and_a_caught_probe_restarts_them() {
+        let h = HandOffs::default();
+        // Spins while they catch their replies.
+        for _ in 0..100 {
+            assert!(h.spin_for_reply());
+            h.spun(true);
+        }
+        // After REPLY_SPIN_MISSES misses in a row, only every REPLY_SPIN_PROBE_EVERY-th call.
+        for _ in 0..REPLY_SPIN_MISSES {
+            assert!(h.spin_for_reply());
+            h.spun(false);
+        }
+        let spun: u32 = (0..REPLY_SPIN_PROBE_EVERY * 4)
+            .map(|_| {
+                let s = h.spin_for_reply();
+                if s {
+                    h.spun(false);
+                }
+                u32::from(s)
+            })
+            .sum();
+        assert_eq!(spun, 4);
+        // A probe that catches its reply: callers spin again.
+        while !h.spin_for_reply() {}
+        h.spun(true);
+        assert!(h.spin_for_reply());
+        let c = (
+            h.reply_spins.load(Ordering::Relaxed),
+            h.replies_caught.load(Ordering::Relaxed),
+        );
+        assert_eq!(c, (100 + u64::from(REPLY_SPIN_MISSES) + 4 + 1, 101));
     }
 }
