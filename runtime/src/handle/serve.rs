@@ -4,11 +4,14 @@
 //! After a command it spins for the next one (for `EngineConfig::spin_before_park`) with no
 //! waker registered on the channel, so a call from another thread in that window costs its
 //! sender no cross-thread wake and the core no turn of glommio's main loop (which re-arms its
-//! timers through io_uring): the next look at the inbox takes it. It does not spin while a task
-//! a job started is still running and may need the reactor (file I/O, a blocking call, a
-//! timer: every job but an RDMA transfer or post on a busy-polled engine), nor for longer than
-//! [`MAX_SPIN_PHASE`] at a stretch, so glommio's own loop still runs, and what it wakes is not
-//! kept waiting.
+//! timers through io_uring): the next look at the inbox takes it. It does not spin while a job's
+//! task is still running and may need the reactor (file I/O, a blocking call, a timer: every
+//! job but an RDMA transfer or post on a busy-polled engine), nor for longer than
+//! [`MAX_SPIN_PHASE`] before it goes pending once, so glommio's own loop gets its turn and what
+//! it serves (I/O, timers, wake-ups from other threads, including those of tasks no job counts,
+//! such as a FILE worker left running after its deadline) is not kept waiting by this task.
+//! Other tasks that keep the core busy (a busy-polling progress loop) hold that loop off until
+//! glommio's preemption timer fires, as before.
 
 use std::cell::{Cell, RefCell};
 use std::future::Future;
@@ -185,10 +188,11 @@ impl Inbox {
     }
 
     /// Waits for the next command, or, when job tasks are running, for the last of them to
-    /// end.
-    async fn wait(&self, live: &LiveJobs) -> Waited {
+    /// end. Also says whether the task went pending (so glommio's loop had its turn).
+    async fn wait(&self, live: &LiveJobs) -> (Waited, bool) {
         let mut on_jobs = false;
-        std::future::poll_fn(|cx| {
+        let mut pending = false;
+        let waited = std::future::poll_fn(|cx| {
             if let Some(done) = self.shutdown.borrow_mut().pop() {
                 return Poll::Ready(Waited::Command(Command::Shutdown(done)));
             }
@@ -204,9 +208,11 @@ impl Inbox {
             } else if on_jobs {
                 return Poll::Ready(Waited::JobsEnded);
             }
+            pending = true;
             Poll::Pending
         })
-        .await
+        .await;
+        (waited, pending)
     }
 }
 
@@ -255,7 +261,8 @@ impl Spin {
         now.duration_since(last) < self.window && now.duration_since(phase) < MAX_SPIN_PHASE
     }
 
-    /// The serving task waited: the next spin is a new phase.
+    /// The serving task waited (went pending, so glommio's loop could run): the next spin is
+    /// a new phase.
     fn waited(&mut self) {
         *self = Spin::new(self.window);
     }
@@ -278,7 +285,9 @@ async fn serve(served: Served, inbox: Rc<Inbox>, hand_offs: Arc<HandOffs>) {
     loop {
         let cmd = match inbox.look() {
             Look::Command(cmd) => {
-                hand_offs.note_taken_without_wake();
+                if matches!(cmd, Command::Run(_)) {
+                    hand_offs.note_taken_without_wake();
+                }
                 cmd
             }
             Look::Closed => return,
@@ -287,8 +296,11 @@ async fn serve(served: Served, inbox: Rc<Inbox>, hand_offs: Arc<HandOffs>) {
                 continue;
             }
             Look::Empty => {
-                let waited = inbox.wait(&served.live).await;
-                spin.waited();
+                let (waited, pending) = inbox.wait(&served.live).await;
+                // A wait answered at once gave glommio's loop no turn: the phase goes on.
+                if pending {
+                    spin.waited();
+                }
                 match waited {
                     Waited::Command(cmd) => cmd,
                     Waited::JobsEnded => continue,
