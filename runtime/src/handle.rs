@@ -478,18 +478,10 @@ impl EngineHandle {
         remote: RemoteDescList,
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferFailure> {
-        let descriptors = local.len();
-        self.on_core_or_cancel(true, move |s| async move {
-            match s.engine.as_ref() {
-                Some(e) => e.transfer_ranges(conn, op, &local, &remote, opts).await,
-                None => Err(TransferFailure::before_posting(
-                    TransferError::NoNic,
-                    descriptors,
-                )),
-            }
+        self.on_rdma(local.len(), move |e| async move {
+            e.transfer_ranges(conn, op, &local, &remote, opts).await
         })
         .await
-        .unwrap_or_else(|l| Err(lost_transfer(l, descriptors)))
     }
 
     /// [`Self::transfer`] of a WRITE with default options.
@@ -574,10 +566,27 @@ impl EngineHandle {
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferFailure> {
         let prepared = Arc::clone(prepared);
-        let descriptors = prepared.descriptors();
+        self.on_rdma(prepared.descriptors(), move |e| async move {
+            e.post_ranges(&prepared, opts).await
+        })
+        .await
+    }
+
+    /// Runs an RDMA transfer or post of `descriptors` descriptors on the engine's core
+    /// (cancelled with the caller's future): a core without a NIC answers `NoNic` before
+    /// posting, and a lost job names what is known of its progress.
+    async fn on_rdma<F, Fut>(
+        &self,
+        descriptors: usize,
+        f: F,
+    ) -> Result<TransferStats, TransferFailure>
+    where
+        F: FnOnce(Engine) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<TransferStats, TransferFailure>> + 'static,
+    {
         self.on_core_or_cancel(true, move |s| async move {
-            match s.engine.as_ref() {
-                Some(e) => e.post_ranges(&prepared, opts).await,
+            match s.engine {
+                Some(e) => f(e).await,
                 None => Err(TransferFailure::before_posting(
                     TransferError::NoNic,
                     descriptors,
