@@ -146,6 +146,13 @@ enum Waited {
     Closed,
 }
 
+/// The end of one wait of the serving task.
+struct Wait {
+    ended: Waited,
+    /// Whether the task went pending (so glommio's loop had its turn).
+    went_pending: bool,
+}
+
 impl Inbox {
     /// Starts every command waiting (jobs only spawn their tasks, so this is quick); a
     /// shutdown is left to the serving task.
@@ -188,11 +195,11 @@ impl Inbox {
     }
 
     /// Waits for the next command, or, when job tasks are running, for the last of them to
-    /// end. Also says whether the task went pending (so glommio's loop had its turn).
-    async fn wait(&self, live: &LiveJobs) -> (Waited, bool) {
+    /// end, and whether the task went pending meanwhile.
+    async fn wait(&self, live: &LiveJobs) -> Wait {
         let mut on_jobs = false;
         let mut pending = false;
-        let waited = std::future::poll_fn(|cx| {
+        let ended = std::future::poll_fn(|cx| {
             if let Some(done) = self.shutdown.borrow_mut().pop() {
                 return Poll::Ready(Waited::Command(Command::Shutdown(done)));
             }
@@ -212,7 +219,10 @@ impl Inbox {
             Poll::Pending
         })
         .await;
-        (waited, pending)
+        Wait {
+            ended,
+            went_pending: pending,
+        }
     }
 }
 
@@ -296,7 +306,10 @@ async fn serve(served: Served, inbox: Rc<Inbox>, hand_offs: Arc<HandOffs>) {
                 continue;
             }
             Look::Empty => {
-                let (waited, pending) = inbox.wait(&served.live).await;
+                let Wait {
+                    ended: waited,
+                    went_pending: pending,
+                } = inbox.wait(&served.live).await;
                 // A wait answered at once gave glommio's loop no turn: the phase goes on.
                 if pending {
                     spin.waited();
