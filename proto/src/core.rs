@@ -94,8 +94,6 @@ pub struct Core<Q: SendQueue> {
     pub(crate) deadlines: Deadlines,
     pub(crate) counters: EngineCounters,
     pub(crate) cfg: CoreConfig,
-    /// The clock as last read by the progress loop; `None` while it is parked.
-    pub(crate) clock: Option<Instant>,
     /// Progress turns so far (coalescing: a transfer posted at once is the first of its turn).
     pub(crate) turn: u64,
     epochs: u64,
@@ -122,7 +120,6 @@ impl<Q: SendQueue> Core<Q> {
             deadlines: Deadlines::default(),
             counters: EngineCounters::default(),
             cfg,
-            clock: None,
             turn: 1,
             epochs: 0,
             plans: Vec::new(),
@@ -441,19 +438,8 @@ impl<Q: SendQueue> Core<Q> {
         self.turn
     }
 
-    /// Sets the clock the core stamps deadlines with (`None`: stopped, while the loop parks).
-    pub fn set_clock(&mut self, now: Option<Instant>) {
-        self.clock = now;
-    }
-
-    /// The clock as last set.
-    pub fn clock(&self) -> Option<Instant> {
-        self.clock
-    }
-
     /// Nothing in flight any more (the loop is about to park): armed deadlines are dropped.
     pub fn on_park(&mut self) {
-        self.clock = None;
         if self.inflight.is_empty() {
             self.deadlines.clear();
         }
@@ -472,7 +458,8 @@ impl<Q: SendQueue> Core<Q> {
 
     /// Expires every waiting transfer whose deadline passed at `now`: it ends with
     /// [`TransferError::Timeout`], and its connection is failed so the NIC flushes the work (the
-    /// slot keeps the memory until then). Returns how many expired.
+    /// slot keeps the memory until then). Returns how many expired. The deadlines armed since
+    /// the last call start at `now` (see [`Deadlines`](crate::deadline::Deadlines)).
     pub fn expire(&mut self, now: Instant) -> usize {
         let mut expired = 0;
         loop {
@@ -481,6 +468,7 @@ impl<Q: SendQueue> Core<Q> {
                 Due::Passed(d) => d,
                 Due::None => return expired,
             };
+            let waited = self.inflight.waiting_on(d.slot);
             if !self
                 .inflight
                 .expire(d.slot, TransferError::Timeout(d.timeout))
@@ -488,7 +476,16 @@ impl<Q: SendQueue> Core<Q> {
                 continue;
             }
             expired += 1;
-            tracing::warn!(conn = d.conn, timeout = ?d.timeout, "transfer timed out; failing its connection");
+            let queue = self.conns.get(d.conn as usize);
+            tracing::warn!(
+                conn = d.conn,
+                timeout = ?d.timeout,
+                waited = ?waited,
+                queued = queue.map(|c| c.pending.len()),
+                flush_scheduled = queue.map(|c| c.flush_scheduled),
+                send_credits = queue.map(|c| c.credits.available()),
+                "transfer timed out; failing its connection"
+            );
             self.fail_connection(
                 ConnId(d.conn),
                 "transfer timed out",
@@ -501,7 +498,7 @@ impl<Q: SendQueue> Core<Q> {
     pub(crate) fn arm_deadline(&mut self, slot: SlotId, conn: u32, timeout: Duration) {
         let inflight = &self.inflight;
         self.deadlines
-            .arm(slot, conn, timeout, self.clock, inflight.len(), |s| {
+            .arm(slot, conn, timeout, inflight.len(), |s| {
                 inflight.contains(s)
             });
     }

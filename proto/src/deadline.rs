@@ -1,9 +1,11 @@
 //! Transfer deadlines: a min-heap of named entries, armed only while a transfer waits.
 //!
-//! A deadline is armed with the clock the core last saw; one armed while the clock was stopped
-//! (the progress loop parked) has no instant yet and is stamped (`now + timeout`) on the next
-//! [`Deadlines::pop_due`] pass, so arming never reads the clock. Entries of finished transfers are
-//! dropped lazily.
+//! Arming never reads the clock: a deadline is armed without an instant and stamped
+//! (`now + timeout`) by the next [`Deadlines::pop_due`] pass, which the progress loop makes with
+//! a clock it has just read. A deadline therefore never passes early: a clock cached by the loop
+//! may be older than the arming (other tasks run between two of its turns, for as long as they
+//! take), so stamping with it would. It may pass late by up to the time between two passes.
+//! Entries of finished transfers are dropped lazily (most of them at that first pass).
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -55,7 +57,7 @@ impl Deadlines {
         self.heap.clear();
     }
 
-    /// Arms `timeout` for `slot` at `clock + timeout` (`clock` `None`: stamped later). When the
+    /// Arms `timeout` for `slot`, to start at the next [`Self::pop_due`]. When the
     /// heap holds more than twice `live` entries plus 1024, entries whose slot `is_live` rejects
     /// are dropped.
     pub fn arm(
@@ -63,12 +65,11 @@ impl Deadlines {
         slot: SlotId,
         conn: u32,
         timeout: Duration,
-        clock: Option<Instant>,
         live: usize,
         is_live: impl Fn(SlotId) -> bool,
     ) {
         self.heap.push(Reverse(Deadline {
-            at: clock.map(|now| now + timeout),
+            at: None,
             slot,
             conn,
             timeout,
@@ -114,20 +115,30 @@ mod tests {
     }
 
     #[test]
-    fn deadlines_pass_in_order_and_unstamped_ones_are_stamped_first() {
+    fn deadlines_start_at_the_first_pass_after_arming_and_pass_in_order() {
         let t0 = Instant::now();
-        let mut d = Deadlines::default();
-        d.arm(slot(1), 0, Duration::from_millis(30), Some(t0), 8, |_| true);
-        d.arm(slot(2), 0, Duration::from_millis(10), Some(t0), 8, |_| true);
-        d.arm(slot(3), 0, Duration::from_millis(5), None, 8, |_| true);
-        assert_eq!(d.pop_due(t0, |_| true), Due::None, "nothing passed yet");
-        // Slot 3 was stamped at t0 + 5 ms.
         let at = |ms| t0 + Duration::from_millis(ms);
-        match d.pop_due(at(6), |_| true) {
-            Due::Passed(x) => assert_eq!((x.slot, x.at), (slot(3), Some(at(5)))),
+        let mut d = Deadlines::default();
+        d.arm(slot(1), 0, Duration::from_millis(30), 8, |_| true);
+        d.arm(slot(2), 0, Duration::from_millis(10), 8, |_| true);
+        assert_eq!(
+            d.pop_due(t0, |_| true),
+            Due::None,
+            "stamped at t0, nothing passed"
+        );
+        // Armed after the first pass: it starts at the next one (1 ms), not at t0.
+        d.arm(slot(3), 0, Duration::from_millis(5), 8, |_| true);
+        assert_eq!(d.pop_due(at(1), |_| true), Due::None);
+        assert_eq!(
+            d.pop_due(at(5), |_| true),
+            Due::None,
+            "t0 + 5 ms is early for slot 3"
+        );
+        match d.pop_due(at(7), |_| true) {
+            Due::Passed(x) => assert_eq!((x.slot, x.at), (slot(3), Some(at(6)))),
             Due::None => panic!("slot 3 is due"),
         }
-        assert_eq!(d.pop_due(at(6), |_| true), Due::None);
+        assert_eq!(d.pop_due(at(7), |_| true), Due::None);
         let mut order = Vec::new();
         while let Due::Passed(x) = d.pop_due(at(40), |_| true) {
             order.push(x.slot.key);
@@ -137,12 +148,19 @@ mod tests {
     }
 
     #[test]
+    fn finished_transfers_are_dropped_at_the_first_pass() {
+        let mut d = Deadlines::default();
+        d.arm(slot(1), 0, Duration::from_secs(1), 8, |_| true);
+        d.arm(slot(2), 0, Duration::from_secs(1), 8, |_| true);
+        assert_eq!(d.pop_due(Instant::now(), |s| s.key == 2), Due::None);
+        assert_eq!(d.len(), 1, "slot 1 finished before the pass: dropped");
+    }
+
+    #[test]
     fn dead_entries_are_pruned_when_the_heap_outgrows_the_live_set() {
         let mut d = Deadlines::default();
         for k in 0..1100 {
-            d.arm(slot(k), 0, Duration::from_secs(1), None, 0, |s| {
-                s.key >= 1090
-            });
+            d.arm(slot(k), 0, Duration::from_secs(1), 0, |s| s.key >= 1090);
         }
         assert!(d.len() <= 1025, "pruned to the live ones: {}", d.len());
     }

@@ -78,6 +78,19 @@ pub struct SlotFailure {
     pub ok_signaled: u32,
 }
 
+/// What a live slot still waits for: see [`InflightTable::waiting_on`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotWait {
+    /// Its future has not ended posting yet.
+    pub posting: bool,
+    /// Signaled requests (and covering slots) it awaits.
+    pub outstanding: u32,
+    /// Another slot's signaled request completes it.
+    pub covered: bool,
+    /// It already carries an error.
+    pub failed: bool,
+}
+
 /// What a completion did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Routed {
@@ -166,6 +179,12 @@ impl<K> InflightTable<K> {
             key: u32::try_from(key).expect("fewer than 2^32 transfers in flight"),
             generation,
         }
+    }
+
+    fn get(&self, id: SlotId) -> Option<&Slot<K>> {
+        self.slots
+            .get(id.key as usize)
+            .filter(|s| s.generation == id.generation)
     }
 
     fn get_mut(&mut self, id: SlotId) -> Option<&mut Slot<K>> {
@@ -406,6 +425,17 @@ impl<K> InflightTable<K> {
         self.slots
             .get(id.key as usize)
             .is_some_and(|s| s.generation == id.generation)
+    }
+
+    /// What a live slot still waits for (for the log line of a transfer that timed out).
+    pub fn waiting_on(&self, id: SlotId) -> Option<SlotWait> {
+        let s = self.get(id)?;
+        Some(SlotWait {
+            posting: s.posting,
+            outstanding: s.outstanding,
+            covered: self.slots.iter().any(|(_, o)| o.covers.contains(&id)),
+            failed: s.error.is_some(),
+        })
     }
 
     /// Keep-alive of a live slot.

@@ -63,7 +63,6 @@ impl Fx {
         let conn = core.add_connection(nic.queue(), params(depth));
         assert!(core.connected(conn, 1 << 20));
         let clock = VirtualClock::new();
-        core.set_clock(Some(clock.now()));
         Fx {
             cq: nic.cq(),
             nic,
@@ -131,12 +130,12 @@ impl Fx {
         self.poll(p, Waker::noop())
     }
 
-    /// Moves the clock as the progress loop does on a tick, and expires what passed.
+    /// Two ticks of the progress loop, now and `d` later: the first starts the deadlines armed
+    /// since the last tick; returns how many transfers expired at the second.
     fn tick(&mut self, d: Duration) -> usize {
+        assert_eq!(self.core.expire(self.clock.now()), 0, "expired early");
         self.clock.advance(d);
-        let now = self.clock.now();
-        self.core.set_clock(Some(now));
-        self.core.expire(now)
+        self.core.expire(self.clock.now())
     }
 
     fn held(&self) -> usize {
@@ -311,17 +310,33 @@ fn a_per_transfer_timeout_overrides_the_default() {
 }
 
 #[test]
-fn a_deadline_armed_while_the_clock_was_stopped_counts_from_the_next_clock_read() {
+fn a_deadline_starts_at_the_first_tick_after_it_was_armed() {
     let mut fx = Fx::new();
-    fx.core.set_clock(None);
+    // A tick long before the transfer (other tasks held the core since): its clock is stale.
+    assert_eq!(fx.core.expire(fx.clock.now()), 0);
+    fx.clock.advance(TIMEOUT * 10);
     let mut p = fx.write(1);
     assert!(fx.poll_noop(&mut p).is_pending());
-    // Time passes while the clock is stopped: it does not count.
-    fx.clock.advance(TIMEOUT * 10);
-    let now = fx.clock.now();
-    fx.core.set_clock(Some(now));
-    assert_eq!(fx.core.expire(now), 0, "stamped now + timeout, not expired");
-    assert_eq!(fx.tick(TIMEOUT + Duration::from_millis(1)), 1);
+    // The next tick reads the clock after the arming: the deadline counts from there, not from
+    // the stale tick (which would have expired it at once, well before its timeout).
+    fx.clock.advance(TIMEOUT / 2);
+    assert_eq!(fx.core.expire(fx.clock.now()), 0, "started, not expired");
+    fx.clock.advance(TIMEOUT / 2);
+    assert_eq!(
+        fx.core.expire(fx.clock.now()),
+        0,
+        "half a timeout after the start"
+    );
+    fx.clock.advance(TIMEOUT / 2 + Duration::from_millis(1));
+    assert_eq!(
+        fx.core.expire(fx.clock.now()),
+        1,
+        "a timeout after the start"
+    );
+    assert!(matches!(
+        fx.poll_noop(&mut p),
+        Poll::Ready(Err(TransferError::Timeout(_)))
+    ));
 }
 
 #[test]
@@ -358,7 +373,6 @@ fn parking_with_nothing_in_flight_drops_the_deadlines() {
     assert_eq!(fx.core.deadlines_len(), 1, "dropped lazily");
     fx.core.on_park();
     assert_eq!(fx.core.deadlines_len(), 0);
-    assert_eq!(fx.core.clock(), None);
 }
 
 #[test]

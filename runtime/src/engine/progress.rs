@@ -56,9 +56,6 @@ async fn run(inner: Rc<Inner>) {
         }
         let n = {
             let mut core = inner.core.borrow_mut();
-            if tick {
-                core.set_clock(Some(Instant::now()));
-            }
             let mut cq = VerbsCq {
                 cq: &inner.cq,
                 wcs: &mut wcs,
@@ -82,12 +79,10 @@ async fn run(inner: Rc<Inner>) {
         let activity = {
             let mut core = inner.core.borrow_mut();
             core.counters_mut().empty_polls += 1;
-            if tick && core.deadlines_len() > 0 {
-                if let Some(now) = core.clock() {
-                    if core.expire(now) > 0 {
-                        inner.kick_progress();
-                    }
-                }
+            // Deadlines are started and checked with a clock read here, never with a cached
+            // one (see `rixl_proto::deadline`).
+            if tick && core.deadlines_len() > 0 && core.expire(Instant::now()) > 0 {
+                inner.kick_progress();
             }
             core.activity()
         };
