@@ -438,7 +438,8 @@ impl<Q: SendQueue> Core<Q> {
         self.turn
     }
 
-    /// Nothing in flight any more (the loop is about to park): armed deadlines are dropped.
+    /// The loop is about to park (nothing awaits a completion): the armed deadlines are dropped
+    /// when no transfer is in flight at all.
     pub fn on_park(&mut self) {
         if self.inflight.is_empty() {
             self.deadlines.clear();

@@ -89,11 +89,10 @@ impl Deadlines {
             match d.at {
                 None => {
                     self.heap.pop();
-                    if is_live(d.slot) {
-                        self.heap.push(Reverse(Deadline {
-                            at: Some(now + d.timeout),
-                            ..d
-                        }));
+                    // A deadline past what `Instant` can hold never passes.
+                    let at = now.checked_add(d.timeout);
+                    if at.is_some() && is_live(d.slot) {
+                        self.heap.push(Reverse(Deadline { at, ..d }));
                     }
                 }
                 Some(at) if at > now => return Due::None,
@@ -154,6 +153,15 @@ mod tests {
         d.arm(slot(2), 0, Duration::from_secs(1), 8, |_| true);
         assert_eq!(d.pop_due(Instant::now(), |s| s.key == 2), Due::None);
         assert_eq!(d.len(), 1, "slot 1 finished before the pass: dropped");
+    }
+
+    #[test]
+    fn a_timeout_past_what_an_instant_holds_never_passes() {
+        let t0 = Instant::now();
+        let mut d = Deadlines::default();
+        d.arm(slot(1), 0, Duration::MAX, 8, |_| true);
+        assert_eq!(d.pop_due(t0, |_| true), Due::None, "no overflow panic");
+        assert!(d.is_empty(), "nothing left to pass");
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! ([`plan`]), the in-flight table that owns what the NIC may still touch ([`inflight`]), send
 //! credits ([`credits`]), deadlines ([`deadline`]), coalescing decisions and connection states
 //! ([`Core`], [`Posting`]). It drives queue pairs through the small traits of [`queue`] (build and
-//! post a batch, poll completions, read a clock) and never waits: `rixl-runtime` is the async glue
+//! post a batch, poll completions; its driver reads the clock) and never waits: `rixl-runtime` is the async glue
 //! over glommio and verbs, and [`harness`] is a deterministic fake NIC with a virtual clock for
 //! tests and benchmarks. Neither glommio nor ibverbs nor CUDA is in its dependency tree.
 #![forbid(unsafe_code)]

@@ -1,6 +1,7 @@
 //! The small traits the core drives: a send queue it builds and posts batches on, a completion
-//! source it reaps, and a clock. `rixl-runtime` implements them over verbs; [`crate::harness`]
-//! implements them with a fake NIC and a virtual clock.
+//! source it reaps, and a clock its driver reads for the deadline passes. `rixl-runtime`
+//! implements them over verbs; [`crate::harness`] implements them with a fake NIC and a virtual
+//! clock.
 
 use std::time::Instant;
 
@@ -48,7 +49,8 @@ pub trait CompletionSource {
     fn poll(&mut self, out: &mut [Completion]) -> usize;
 }
 
-/// The core's clock.
+/// The clock a driver reads for the core's deadline passes ([`crate::Core::expire`] takes its
+/// `now`; the core keeps no clock): the system's in the engine, a virtual one in the harness.
 pub trait Clock {
     /// Now.
     fn now(&self) -> Instant;

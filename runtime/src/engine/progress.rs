@@ -67,6 +67,18 @@ async fn run(inner: Rc<Inner>) {
             let fault = TransferError::Device(rixl_proto::DeviceFault::CompletionQueueError);
             super::events::fail_all(&inner, &fault);
         }
+        // On a tick, with or without completions (steady completions on one connection must
+        // not hold back another's deadline): deadlines are started and checked with a clock
+        // read here, never with a cached one (see `rixl_proto::deadline`).
+        if tick {
+            let expired = {
+                let mut core = inner.core.borrow_mut();
+                core.deadlines_len() > 0 && core.expire(Instant::now()) > 0
+            };
+            if expired {
+                inner.kick_progress();
+            }
+        }
         if n > 0 {
             inner.quiet_polls.set(0);
             // Let the woken futures run.
@@ -79,11 +91,6 @@ async fn run(inner: Rc<Inner>) {
         let activity = {
             let mut core = inner.core.borrow_mut();
             core.counters_mut().empty_polls += 1;
-            // Deadlines are started and checked with a clock read here, never with a cached
-            // one (see `rixl_proto::deadline`).
-            if tick && core.deadlines_len() > 0 && core.expire(Instant::now()) > 0 {
-                inner.kick_progress();
-            }
             core.activity()
         };
         let idle = activity.idle;
@@ -96,7 +103,7 @@ async fn run(inner: Rc<Inner>) {
             {
                 let mut core = inner.core.borrow_mut();
                 core.counters_mut().parks += 1;
-                // Nothing is in flight: no deadline can matter any more.
+                // Idle: nothing awaits a completion (queued transfers keep their deadlines).
                 core.on_park();
             }
             poll_fn(|cx| {
