@@ -1,8 +1,9 @@
-"""perftest and two rixl-perf builds in alternating rounds in one rxe guest boot (bandwidth rows).
+"""perftest and two rixl-perf builds in alternating rounds in one rxe guest boot.
 
 Run inside the guest:
-  scripts/rxe-guest run -- python3 perf/benches/ab_three_way.py --old OLD --new NEW [--rounds 8]
-Prints every round, the medians, each build's ratio to perftest and the paired new/old ratios.
+  scripts/rxe-guest run -- python3 perf/benches/ab_three_way.py --old OLD --new NEW [--rounds 8] [--lat]
+Bandwidth rows (MiB/s), or with --lat the 64 B latency rows (t_typical, us). Prints every round,
+the medians, each build's ratio to perftest and the paired new/old ratios.
 """
 import argparse
 import statistics
@@ -12,7 +13,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from compare_perftest import measure  # noqa: E402
 
-TESTS = [("write_bw", 64, 20000), ("read_bw", 4096, 5000), ("send_bw", 4096, 5000)]
+BW_TESTS = [("write_bw", 64, 20000), ("read_bw", 4096, 5000), ("send_bw", 4096, 5000)]
+LAT_TESTS = [("write_lat", 64, 2000), ("read_lat", 64, 2000), ("send_lat", 64, 2000)]
 
 
 def main():
@@ -20,12 +22,14 @@ def main():
     ap.add_argument("--old", required=True, help="rixl-perf before the change")
     ap.add_argument("--new", required=True, help="rixl-perf with the change")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--lat", action="store_true", help="the latency rows instead of bandwidth")
     a = ap.parse_args()
+    tests, metric = (LAT_TESTS, "t_typical") if a.lat else (BW_TESTS, "bw_avg")
     bins = {"old": a.old, "new": a.new}
     order = ["perftest", "old", "new"]
     res = {}
     for r in range(a.rounds):
-        for t, size, n in TESTS:
+        for t, size, n in tests:
             for name in order if r % 2 == 0 else order[::-1]:
                 tool = "perftest" if name == "perftest" else "rixl"
                 try:
@@ -33,9 +37,9 @@ def main():
                 except RuntimeError as e:
                     print("ERR", r, t, name, str(e)[-200:], flush=True)
                     continue
-                res.setdefault((t, name), []).append(m["bw_avg"])
-                print(r, t, size, name, m["bw_avg"], flush=True)
-    for t, size, _ in TESTS:
+                res.setdefault((t, name), []).append(m[metric])
+                print(r, t, size, name, m[metric], flush=True)
+    for t, size, _ in tests:
         pt = statistics.median(res.get((t, "perftest"), [float("nan")]))
         for name in order:
             v = res.get((t, name), [])
