@@ -477,14 +477,14 @@ impl<Q: SendQueue> Core<Q> {
                 continue;
             }
             expired += 1;
-            let queue = self.conns.get(d.conn as usize);
+            let c = self.conns.get(d.conn as usize);
             tracing::warn!(
                 conn = d.conn,
                 timeout = ?d.timeout,
                 waited = ?waited,
-                queued = queue.map(|c| c.pending.len()),
-                flush_scheduled = queue.map(|c| c.flush_scheduled),
-                send_credits = queue.map(|c| c.credits.available()),
+                queued = c.map(|c| c.pending.len()),
+                flush_scheduled = c.map(|c| c.flush_scheduled),
+                send_credits = c.map(|c| c.credits.available()),
                 "transfer timed out; failing its connection"
             );
             self.fail_connection(

@@ -414,17 +414,14 @@ impl<K> InflightTable<K> {
 
     /// The error of an expired slot (its deadline passed), if it expired.
     pub fn expired(&self, id: SlotId) -> Option<TransferError> {
-        self.slots
-            .get(id.key as usize)
-            .filter(|s| s.generation == id.generation && s.expired)
+        self.get(id)
+            .filter(|s| s.expired)
             .map(|s| s.error.clone().unwrap_or(TransferError::Flushed))
     }
 
     /// Whether the slot is still live.
     pub fn contains(&self, id: SlotId) -> bool {
-        self.slots
-            .get(id.key as usize)
-            .is_some_and(|s| s.generation == id.generation)
+        self.get(id).is_some()
     }
 
     /// What a live slot still waits for (for the log line of a transfer that timed out).
@@ -440,10 +437,7 @@ impl<K> InflightTable<K> {
 
     /// Keep-alive of a live slot.
     pub fn keepalive(&self, id: SlotId) -> Option<&K> {
-        self.slots
-            .get(id.key as usize)
-            .filter(|s| s.generation == id.generation)
-            .map(|s| &s.keepalive)
+        self.get(id).map(|s| &s.keepalive)
     }
 }
 

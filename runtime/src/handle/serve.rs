@@ -306,15 +306,12 @@ async fn serve(served: Served, inbox: Rc<Inbox>, hand_offs: Arc<HandOffs>) {
                 continue;
             }
             Look::Empty => {
-                let Wait {
-                    ended: waited,
-                    went_pending: pending,
-                } = inbox.wait(&served.live).await;
+                let wait = inbox.wait(&served.live).await;
                 // A wait answered at once gave glommio's loop no turn: the phase goes on.
-                if pending {
+                if wait.went_pending {
                     spin.waited();
                 }
-                match waited {
+                match wait.ended {
                     Waited::Command(cmd) => cmd,
                     Waited::JobsEnded => continue,
                     Waited::Closed => return,
