@@ -649,6 +649,125 @@ fn prepared_transfers_repost_the_same_blocks_and_refuse_stale_use() {
 }
 
 #[test]
+fn repeated_small_transfers_reuse_their_plan_and_never_a_stale_one() {
+    if !have_device("repeated_small_transfers_reuse_their_plan_and_never_a_stale_one") {
+        return;
+    }
+    on_executor(|| {
+        Box::pin(async {
+            let (engine, mut peer, conn) = engine_with_peer().await;
+            let hits = |e: &Engine| e.counters().plan_cache_hits;
+            let n = 4u64;
+            // Writes `local` to the peer with fresh contents and checks every block there.
+            async fn write_checked(
+                engine: &Engine,
+                peer: &mut Peer,
+                conn: ConnId,
+                region: &Region,
+                seed: u64,
+                lists: &(LocalDescList, RemoteDescList),
+            ) {
+                let mut data = vec![0u8; REGION];
+                fill(&mut data, seed);
+                region.write_at(0, &data).expect("fill");
+                engine.write(conn, &lists.0, &lists.1).await.expect("write");
+                let got: u64 = peer.cmd("sum 4").parse().expect("sum");
+                assert_eq!(got, region_sum(region, 4, local_slot), "seed {seed}");
+            }
+
+            // The same four scattered blocks, 20 times: planned once, then the kept plan.
+            let a = engine.register(REGION).await.expect("register a");
+            let lists_a = scattered_lists(&a, &peer, n);
+            let h0 = hits(&engine);
+            for round in 0..20 {
+                write_checked(&engine, &mut peer, conn, &a, 500 + round, &lists_a).await;
+            }
+            assert_eq!(hits(&engine) - h0, 19, "the first is planned, 19 reuse it");
+
+            // The same ranges of another region: planned for that region, its data lands.
+            let b = engine.register(REGION).await.expect("register b");
+            let lists_b = scattered_lists(&b, &peer, n);
+            let h1 = hits(&engine);
+            write_checked(&engine, &mut peer, conn, &b, 600, &lists_b).await;
+            assert_eq!(hits(&engine), h1, "another region is planned afresh");
+            write_checked(&engine, &mut peer, conn, &b, 601, &lists_b).await;
+            assert_eq!(hits(&engine), h1 + 1);
+
+            // A region freed and another registered (maybe at the same address): never the
+            // freed one's plan and key.
+            let a_addr = a.addr();
+            drop((a, lists_a));
+            let c = engine.register(REGION).await.expect("register c");
+            let lists_c = scattered_lists(&c, &peer, n);
+            let h2 = hits(&engine);
+            write_checked(&engine, &mut peer, conn, &c, 700, &lists_c).await;
+            assert_eq!(hits(&engine), h2, "a new region is planned afresh");
+
+            // Other ranges and the other direction are planned afresh too.
+            let (mut one, rone) = scattered_lists(&c, &peer, 1);
+            write_checked(
+                &engine,
+                &mut peer,
+                conn,
+                &c,
+                701,
+                &(one.clone(), rone.clone()),
+            )
+            .await;
+            assert_eq!(hits(&engine), h2, "one block of the four: another transfer");
+            assert_eq!(peer.cmd("fill 702"), "ok");
+            c.write_at(0, &vec![0u8; REGION]).expect("zero");
+            engine
+                .read(conn, &lists_c.0, &lists_c.1)
+                .await
+                .expect("read");
+            let want: u64 = peer.cmd("sum 4").parse().expect("sum");
+            assert_eq!(
+                region_sum(&c, 4, local_slot),
+                want,
+                "READ of the same lists"
+            );
+            assert_eq!(hits(&engine), h2, "a READ is not the WRITE's plan");
+
+            // Bad descriptors are refused every time; nothing of theirs is kept.
+            one.push(&c, REGION as u64 - 10, 100);
+            let bad_remote = RemoteDescList(vec![rone.0[0], peer.remote(0, 100)]);
+            for _ in 0..3 {
+                let r = engine.write(conn, &one, &bad_remote).await;
+                assert!(
+                    matches!(
+                        r,
+                        Err(TransferError::InvalidDescriptor(
+                            InvalidDescriptor::OutOfRange { index: 1, .. }
+                        ))
+                    ),
+                    "{r:?}"
+                );
+            }
+
+            // A closed connection refuses the kept plan; a new one (maybe the same id) plans
+            // again and its writes land.
+            engine.close_connection(conn).await;
+            let r = engine.write(conn, &lists_c.0, &lists_c.1).await;
+            assert!(matches!(r, Err(TransferError::Connection(..))), "{r:?}");
+            let again = connect_local(&engine, &mut peer).await;
+            let h3 = hits(&engine);
+            write_checked(&engine, &mut peer, again, &c, 800, &lists_c).await;
+            assert_eq!(hits(&engine), h3, "the new connection plans afresh");
+            write_checked(&engine, &mut peer, again, &c, 801, &lists_c).await;
+            assert_eq!(hits(&engine), h3 + 1);
+            report(&format!(
+                "plan reuse: 19 of 20 repeated writes reused their plan; region a at {a_addr:#x}, \
+                 c at {:#x}; new connection id reused: {}",
+                c.addr(),
+                again == conn
+            ));
+            peer.finish();
+        })
+    });
+}
+
+#[test]
 fn prepared_transfers_through_a_handle_repost_from_another_thread() {
     let cfg = config();
     let Some((pool, h, mut peer, conn)) = connected_pool(
