@@ -2,7 +2,6 @@
 
 Run inside the guest:
   scripts/rxe-guest run -- python3 perf/benches/ab_three_way.py --old OLD --new NEW [--rounds 8] [--lat]
-      [--only TEST] [--old-args "--prepared"] [--new-args ...]
 Bandwidth rows (MiB/s), or with --lat the 64 B latency rows (t_typical, us). Prints every round,
 the medians, each build's ratio to perftest and the paired new/old ratios.
 """
@@ -24,14 +23,8 @@ def main():
     ap.add_argument("--new", required=True, help="rixl-perf with the change")
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--lat", action="store_true", help="the latency rows instead of bandwidth")
-    ap.add_argument("--only", action="append", help="run only this test (repeatable)")
-    ap.add_argument("--old-args", default="", help="extra rixl-perf flags for OLD (e.g. --prepared)")
-    ap.add_argument("--new-args", default="", help="extra rixl-perf flags for NEW")
     a = ap.parse_args()
     tests, metric = (LAT_TESTS, "t_typical") if a.lat else (BW_TESTS, "bw_avg")
-    if a.only:
-        tests = [t for t in tests if t[0] in a.only]
-    extra = {"old": a.old_args.split(), "new": a.new_args.split(), "perftest": []}
     bins = {"old": a.old, "new": a.new}
     order = ["perftest", "old", "new"]
     res = {}
@@ -40,7 +33,7 @@ def main():
             for name in order if r % 2 == 0 else order[::-1]:
                 tool = "perftest" if name == "perftest" else "rixl"
                 try:
-                    m = measure(tool, t, size, n, 1, bins.get(name), extra[name])
+                    m = measure(tool, t, size, n, 1, bins.get(name))
                 except RuntimeError as e:
                     print("ERR", r, t, name, str(e)[-200:], flush=True)
                     continue

@@ -16,7 +16,6 @@ use crate::desc::{LocalDesc, Op, RegionInfo, RemoteDesc};
 use crate::error::TransferError;
 use crate::inflight::{decode_wr_id, InflightTable, Routed, SlotId};
 use crate::plan::{self, Limits, Plan};
-use crate::plan_cache::{Lookup, PlanCache, PlanKey};
 use crate::queue::{CompletionSource, SendQueue};
 use crate::stats::{ConnId, EngineCounters, Message};
 use crate::wire::{Completion, WcOpcode};
@@ -99,7 +98,6 @@ pub struct Core<Q: SendQueue> {
     pub(crate) turn: u64,
     epochs: u64,
     plans: Vec<Plan>,
-    plan_cache: PlanCache,
 }
 
 impl<Q: SendQueue> std::fmt::Debug for Core<Q> {
@@ -125,7 +123,6 @@ impl<Q: SendQueue> Core<Q> {
             turn: 1,
             epochs: 0,
             plans: Vec::new(),
-            plan_cache: PlanCache::new(),
         }
     }
 
@@ -244,7 +241,6 @@ impl<Q: SendQueue> Core<Q> {
         c.fail_pending(&mut self.inflight, &err);
         let c = self.conns.remove(conn.0 as usize);
         self.routes.retain(|r| r.conn != conn.0);
-        self.plan_cache.forget(conn);
         Some(c.queue)
     }
 
@@ -398,45 +394,6 @@ impl<Q: SendQueue> Core<Q> {
             .ok_or_else(|| unknown(conn.0))?;
         c.check_live(conn.0)?;
         Ok(c)
-    }
-
-    /// The plan of a recent transfer identical to this one (same connection and epoch,
-    /// direction, regions and ranges; see [`crate::plan_cache`]), in [`Lookup::Hit`]: then the
-    /// transfer needs no checks of its descriptors and no planning, as if it had been prepared.
-    ///
-    /// On [`Lookup::Miss`] the caller plans it with [`Core::plan_transfer`] and keeps the plan
-    /// with [`Core::keep_plan`]; on [`Lookup::Skip`] it plans it and keeps nothing.
-    ///
-    /// # Errors
-    /// The checks of [`Core::check_transfer`], on a hit (a kept plan for a connection that
-    /// failed since).
-    pub fn cached_plan<R>(
-        &mut self,
-        key: &PlanKey<'_, R>,
-        notify_imm: bool,
-    ) -> Result<Lookup, TransferError>
-    where
-        R: ExactSizeIterator<Item = u64> + Clone,
-    {
-        let found = self.plan_cache.lookup(key);
-        if let Lookup::Hit { epoch, .. } = &found {
-            check_notify(key.op, notify_imm)?;
-            if self.live(key.conn)?.epoch != *epoch {
-                // The same id, another connection: planned again (its limits may differ).
-                return Ok(Lookup::Miss);
-            }
-            self.counters.plan_cache_hits += 1;
-        }
-        Ok(found)
-    }
-
-    /// Keeps `plan`, planned by [`Core::plan_transfer`] under `epoch` after a
-    /// [`Lookup::Miss`], for the next identical transfer.
-    pub fn keep_plan<R>(&mut self, key: &PlanKey<'_, R>, epoch: u64, plan: &Plan)
-    where
-        R: ExactSizeIterator<Item = u64> + Clone,
-    {
-        self.plan_cache.keep(key, epoch, plan);
     }
 
     /// A plan to fill (a kept one when there is one, so a transfer allocates no request list).

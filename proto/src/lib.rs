@@ -18,7 +18,6 @@ pub mod error;
 pub mod harness;
 pub mod inflight;
 pub mod plan;
-pub mod plan_cache;
 pub mod posting;
 pub mod queue;
 pub mod stats;
@@ -34,7 +33,6 @@ pub use crate::desc::{LocalDesc, Op, RegionInfo, RemoteDesc, RemoteDescList};
 pub use crate::error::{DeviceFault, FileError, FileId, InvalidDescriptor, TransferError};
 pub use crate::inflight::SlotId;
 pub use crate::plan::{Limits, Plan, PlannedWr};
-pub use crate::plan_cache::{Lookup, PlanCache, PlanKey};
 pub use crate::posting::Posting;
 pub use crate::queue::{Clock, CompletionSource, SendQueue, SystemClock};
 pub use crate::stats::{

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 /// Identifies a connection of an engine.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct ConnId(pub u32);
 
 /// Per-transfer options.
@@ -192,9 +192,6 @@ pub struct EngineCounters {
     /// Small transfers queued for a coalesced post (with coalescing on; the others were posted
     /// at once).
     pub queued: u64,
-    /// Transfers that repeated a recent one and took its kept plan instead of being checked and
-    /// planned again (automatic prepared posting, see [`crate::plan_cache`]).
-    pub plan_cache_hits: u64,
     /// Device async events handled (port changes, queue pair and device faults).
     pub async_events: u64,
     /// Connections failed by an async event.

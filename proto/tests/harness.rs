@@ -11,8 +11,8 @@ use rixl_proto::harness::{counting_waker, FakeCq, FakeNic, FakeQueue, VirtualClo
 use rixl_proto::inflight::InflightTable;
 use rixl_proto::{
     recv_wr_id, Clock, Completion, ConnId, ConnParams, ConnState, Core, CoreConfig,
-    InvalidDescriptor, LocalDesc, Lookup, Message, Op, Plan, PlanKey, Posting, RegionInfo,
-    RemoteDesc, SendOp, Sge, TransferError, TransferOptions, WcOpcode, WcStatus, INBOX_LIMIT,
+    InvalidDescriptor, LocalDesc, Message, Op, Plan, Posting, RegionInfo, RemoteDesc, SendOp, Sge,
+    TransferError, TransferOptions, WcOpcode, WcStatus, INBOX_LIMIT,
 };
 
 /// What a slot keeps alive: its strong count tells whether the core still holds it.
@@ -576,75 +576,6 @@ fn a_failed_connection_refuses_new_transfers_before_anything_is_posted() {
         .unwrap_err();
     assert_eq!(err, TransferError::Connection(fx.conn.0, "aborted".into()));
     assert_eq!(fx.nic.doorbells(), 0);
-}
-
-/// Plans a 1-block WRITE the way the engine does for a plain transfer: the kept plan of an
-/// identical recent one, else checked, planned and kept. Returns the lookup and the plan.
-fn plan_or_reuse(fx: &mut Fx, conn: ConnId) -> Result<(Lookup, Plan), TransferError> {
-    let (local, remote) = scattered(1, 64);
-    let key = PlanKey {
-        conn,
-        op: Op::Write,
-        regions: [42u64].into_iter(),
-        local: &local,
-        remote: &remote,
-    };
-    let lookup = fx.core.cached_plan(&key, false)?;
-    if let Lookup::Hit { plan, .. } = &lookup {
-        return Ok((lookup.clone(), Plan::clone(plan)));
-    }
-    let mut plan = Plan::default();
-    let epoch = fx.core.plan_transfer(
-        conn,
-        Op::Write,
-        &[REGION],
-        &local,
-        &remote,
-        false,
-        &mut plan,
-    )?;
-    if lookup == Lookup::Miss {
-        fx.core.keep_plan(&key, epoch, &plan);
-    }
-    Ok((lookup, plan))
-}
-
-#[test]
-fn a_kept_plan_is_refused_on_a_failed_connection_and_not_used_for_a_new_one_of_the_same_id() {
-    let mut fx = Fx::new();
-    let conn = fx.conn;
-    let (first, planned) = plan_or_reuse(&mut fx, conn).expect("live");
-    assert_eq!(first, Lookup::Miss);
-    let (second, kept) = plan_or_reuse(&mut fx, conn).expect("live");
-    assert!(matches!(second, Lookup::Hit { .. }), "{second:?}");
-    assert_eq!(kept, planned);
-    assert_eq!(fx.core.counters().plan_cache_hits, 1);
-    // The plan posts like a fresh one.
-    let (mut p, r) = fx.start(&kept, TransferOptions::default());
-    assert!(r.is_ready());
-    fx.nic.complete_all();
-    assert_eq!(fx.poll_noop(&mut p), Poll::Ready(Ok(())));
-
-    fx.core
-        .fail_connection(fx.conn, "aborted", &TransferError::Flushed);
-    assert_eq!(
-        plan_or_reuse(&mut fx, conn).unwrap_err(),
-        TransferError::Connection(fx.conn.0, "aborted".into())
-    );
-    // Removed, and the id given to a new connection: planned afresh, then kept again.
-    fx.core.remove_connection(fx.conn);
-    let again = fx.core.add_connection(fx.nic.queue(), params(16));
-    assert!(fx.core.connected(again, 1 << 20));
-    assert_eq!(again, fx.conn, "the slab reuses the id");
-    let (lookup, _) = plan_or_reuse(&mut fx, again).expect("live");
-    assert_eq!(lookup, Lookup::Miss);
-    let (lookup, _) = plan_or_reuse(&mut fx, again).expect("live");
-    let epoch = fx.core.epoch(again).expect("live");
-    assert!(
-        matches!(lookup, Lookup::Hit { epoch: e, .. } if e == epoch),
-        "{lookup:?}"
-    );
-    assert_eq!(fx.core.counters().plan_cache_hits, 2);
 }
 
 #[test]

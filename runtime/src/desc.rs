@@ -40,8 +40,6 @@ struct RegionInner {
     // whoever waits for the region to go.
     mem: Memory,
     engine: u64,
-    /// Its identity (never another region's).
-    id: u64,
     /// Resolved (by being dropped) once the last handle is gone and the memory deregistered.
     released: Mutex<Vec<oneshot::Sender<()>>>,
 }
@@ -164,7 +162,6 @@ impl Region {
             inner: Arc::new(RegionInner {
                 mem,
                 engine,
-                id: crate::id::next_region_id(),
                 released: Mutex::new(Vec::new()),
             }),
         }
@@ -389,11 +386,6 @@ impl Region {
     /// Id of the engine (protection domain) this region belongs to.
     pub fn engine_id(&self) -> u64 {
         self.inner.engine
-    }
-
-    /// An identity no other region of this process has, before or after this one.
-    pub fn id(&self) -> u64 {
-        self.inner.id
     }
 
     /// Whether two handles are the same registration.

@@ -9,11 +9,3 @@ static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
 pub(crate) fn next_engine_id() -> u64 {
     NEXT_ENGINE.fetch_add(1, Ordering::Relaxed)
 }
-
-static NEXT_REGION: AtomicU64 = AtomicU64::new(1);
-
-/// A fresh region identity: never given to another region of this process, so a plan kept
-/// for a region's ranges is only ever used with that region (`rixl_proto::plan_cache`).
-pub(crate) fn next_region_id() -> u64 {
-    NEXT_REGION.fetch_add(1, Ordering::Relaxed)
-}

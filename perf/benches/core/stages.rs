@@ -18,8 +18,7 @@ use std::task::{Context, Poll, Wake, Waker};
 
 use criterion::{Criterion, Throughput};
 use rixl_proto::{
-    Completion, ConnId, Core, LocalDesc, Lookup, Op, Plan, PlanKey, RemoteDesc, TransferOptions,
-    TransferStats,
+    Completion, ConnId, Core, LocalDesc, Op, Plan, RemoteDesc, TransferOptions, TransferStats,
 };
 
 use crate::null_nic::{connected_core, NullCq, NullNic, NullQp};
@@ -44,23 +43,6 @@ impl Wake for Task {
     }
 }
 
-/// A transfer's plan, as the engine holds it: its own (from the pool) or the plan cache's.
-enum Kept {
-    Fresh(Plan),
-    Shared(Rc<Plan>),
-}
-
-impl std::ops::Deref for Kept {
-    type Target = Plan;
-
-    fn deref(&self) -> &Plan {
-        match self {
-            Kept::Fresh(p) => p,
-            Kept::Shared(p) => p,
-        }
-    }
-}
-
 /// The stages, in order.
 const STAGES: [&str; 6] = [
     "check + plan (descriptor checked, work request planned)",
@@ -80,9 +62,6 @@ struct Fixture {
     remote: [RemoteDesc; 1],
     task: Arc<Task>,
     waker: Waker,
-    /// Stage 0 as the engine runs it for a plain transfer: the plan of an identical recent one
-    /// copied when there is one (the plan cache), else checked, planned and kept.
-    reuse: bool,
 }
 
 impl Fixture {
@@ -107,7 +86,6 @@ impl Fixture {
             }],
             waker: Waker::from(Arc::clone(&task)),
             task,
-            reuse: false,
         }
     }
 
@@ -116,44 +94,22 @@ impl Fixture {
         self.nic.at_doorbell.set(!wait);
         let mut cx = Context::from_waker(&self.waker);
         // 0: the engine's check_and_plan.
-        let key = PlanKey {
-            conn: self.conn,
-            op: Op::Write,
-            regions: [1u64].into_iter(),
-            local: &self.local,
-            remote: &self.remote,
-        };
-        let lookup = if self.reuse {
-            self.core.cached_plan(&key, false).expect("live")
-        } else {
-            Lookup::Skip
-        };
-        let plan = match lookup {
-            Lookup::Hit { plan, .. } => Kept::Shared(plan),
-            lookup => {
-                let mut plan: Plan = self.core.take_plan();
-                self.core
-                    .check_transfer(self.conn, Op::Write, false)
-                    .expect("live");
-                let regions = [REGION];
-                let epoch = self
-                    .core
-                    .plan_transfer(
-                        self.conn,
-                        Op::Write,
-                        &regions,
-                        &self.local,
-                        &self.remote,
-                        false,
-                        &mut plan,
-                    )
-                    .expect("valid");
-                if lookup == Lookup::Miss {
-                    self.core.keep_plan(&key, epoch, &plan);
-                }
-                Kept::Fresh(plan)
-            }
-        };
+        let mut plan: Plan = self.core.take_plan();
+        self.core
+            .check_transfer(self.conn, Op::Write, false)
+            .expect("live");
+        let regions = [REGION];
+        self.core
+            .plan_transfer(
+                self.conn,
+                Op::Write,
+                &regions,
+                &self.local,
+                &self.remote,
+                false,
+                &mut plan,
+            )
+            .expect("valid");
         mark(0);
         // 1: the slot.
         let keep: SmallKeep = smallvec::smallvec![Rc::clone(&self.region)];
@@ -168,9 +124,7 @@ impl Fixture {
             assert!(self.core.flush(self.conn, &mut cx).is_ready());
         }
         let (bytes, wrs) = (plan.bytes, plan.wrs.len());
-        if let Kept::Fresh(plan) = plan {
-            self.core.recycle_plan(plan);
-        }
+        self.core.recycle_plan(plan);
         mark(2);
         // 3: the future's first poll of its slot (the engine's wait_slot).
         let mut buf = [Completion::success(0, 0); REAP_NOW];
@@ -445,10 +399,6 @@ pub fn print_stage_table(n: usize) {
     }
     let wait = stage_means(&mut f, true, n);
     let reap = stage_means(&mut f, false, n);
-    // The same transfer repeated, as a plain transfer of the engine runs it: the kept plan.
-    f.reuse = true;
-    let reuse = stage_means(&mut f, true, n);
-    f.reuse = false;
     println!("\nnull_qp_stages: one 1-descriptor 64 B WRITE through the core, mean ns per stage, the slowest 1 % left out ({n} transfers each; criterion's `null_qp_await` times the whole path)");
     println!("| stage | completion waited for (woken) | completion reaped by the future |");
     println!("|---|---|---|");
@@ -464,11 +414,6 @@ pub fn print_stage_table(n: usize) {
         "| **sum** | **{:.1}** | **{:.1}** |",
         wait.iter().sum::<f64>(),
         reap.iter().sum::<f64>()
-    );
-    println!(
-        "| check + plan of the same transfer repeated (the kept plan copied; sum {:.1}) | {:.1} | |",
-        reuse.iter().sum::<f64>(),
-        reuse[0]
     );
     let calls = (n / 20).max(200);
     let awake = std::time::Duration::from_secs(1);

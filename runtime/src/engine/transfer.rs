@@ -7,9 +7,8 @@ use std::rc::Rc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use rixl_proto::{Completion, ConnId, Core, Lookup, Message, Op, Plan, PlanKey, Posting};
+use rixl_proto::{Completion, ConnId, Core, Message, Op, Plan, Posting, RegionInfo, SendOp, Sge};
 use rixl_proto::{DescriptorRanges, TransferFailure, TransferOptions, TransferStats};
-use rixl_proto::{RegionInfo, SendOp, Sge};
 use rixl_verbs::WorkCompletion;
 use smallvec::SmallVec;
 use tracing::Instrument;
@@ -439,66 +438,6 @@ fn check_and_plan(
     )
 }
 
-/// A transfer's plan: made for it (from the engine's pool of plans, returned after posting) or
-/// kept from an identical recent transfer (prepared posting chosen automatically: see
-/// `rixl_proto::plan_cache`).
-enum TransferPlan {
-    Fresh(Plan),
-    Kept(Rc<Plan>),
-}
-
-impl std::ops::Deref for TransferPlan {
-    type Target = Plan;
-
-    fn deref(&self) -> &Plan {
-        match self {
-            TransferPlan::Fresh(p) => p,
-            TransferPlan::Kept(p) => p,
-        }
-    }
-}
-
-/// Checks and plans a transfer, or finds the plan of an identical recent one, which needs no
-/// checks of the regions and descriptors: the same live regions and the same ranges passed
-/// them (the connection is checked either way).
-fn plan_or_reuse(
-    inner: &Inner,
-    conn: ConnId,
-    op: Op,
-    local: &LocalDescList,
-    remote: &RemoteDescList,
-    opts: &TransferOptions,
-) -> Result<TransferPlan, TransferError> {
-    let notify = opts.notify_imm.is_some();
-    let key = PlanKey {
-        conn,
-        op,
-        regions: local.regions().iter().map(Region::id),
-        local: local.descs(),
-        remote: &remote.0,
-    };
-    let mut core = inner.core.borrow_mut();
-    let lookup = core.cached_plan(&key, notify)?;
-    if let Lookup::Hit { plan, .. } = lookup {
-        return Ok(TransferPlan::Kept(plan));
-    }
-    let mut plan = core.take_plan();
-    drop(core);
-    match check_and_plan(inner, conn, op, local, remote, notify, &mut plan) {
-        Ok(epoch) => {
-            let mut core = inner.core.borrow_mut();
-            if lookup == Lookup::Miss {
-                core.keep_plan(&key, epoch, &plan);
-            }
-            Ok(TransferPlan::Fresh(plan))
-        }
-        Err(e) => {
-            inner.core.borrow_mut().recycle_plan(plan);
-            Err(e)
-        }
-    }
-}
-
 async fn transfer_inner(
     inner: Rc<Inner>,
     conn: ConnId,
@@ -510,19 +449,26 @@ async fn transfer_inner(
 ) -> Result<TransferStats, TransferFailure> {
     let clock = || inner.cfg.timing.then(Instant::now);
     let t0 = clock();
-    let plan = plan_or_reuse(&inner, conn, op, local, remote, &opts)
-        .map_err(|e| TransferFailure::before_posting(e, local.len()))?;
+    let mut plan = inner.core.borrow_mut().take_plan();
+    if let Err(e) = check_and_plan(
+        &inner,
+        conn,
+        op,
+        local,
+        remote,
+        opts.notify_imm.is_some(),
+        &mut plan,
+    ) {
+        inner.core.borrow_mut().recycle_plan(plan);
+        return Err(TransferFailure::before_posting(e, local.len()));
+    }
     span.record("bytes", plan.bytes);
     span.record("wrs", plan.wrs.len());
     let prepared = clock();
     let mut guard = post_plan(&inner, conn, op, &plan, local.regions(), &opts).await;
     let (bytes, work_requests) = (plan.bytes, plan.wrs.len());
-    // Done with the plan before the wait: a fresh one goes back to the pool (concurrent
-    // transfers share few plans), a kept one is the cache's alone again.
-    match plan {
-        TransferPlan::Fresh(plan) => inner.core.borrow_mut().recycle_plan(plan),
-        TransferPlan::Kept(plan) => drop(plan),
-    }
+    // The plan goes back to the pool before the wait: concurrent transfers share few plans.
+    inner.core.borrow_mut().recycle_plan(plan);
     let posted = clock();
     crate::supervise::fail_point("rixl-transfer-posted");
     wait_slot(&mut guard)
