@@ -74,6 +74,12 @@ impl Cluster {
                     "new",
                     "--initial-cluster-token",
                     &format!("rixl-{}", std::process::id()),
+                    // etcd's tuning guide for slow hosts: the emulated guest can stall a member
+                    // past the default 100 ms heartbeat / 1 s election (elections churn).
+                    "--heartbeat-interval",
+                    "250",
+                    "--election-timeout",
+                    "2500",
                 ]
                 .map(String::from)
                 .to_vec();
@@ -102,7 +108,43 @@ impl Cluster {
                 m.name
             );
         }
-        Cluster { members, endpoints }
+        let cluster = Cluster { members, endpoints };
+        let healthy = cluster.wait_healthy(Duration::from_secs(60));
+        report(&format!(
+            "etcd cluster: every member healthy after {healthy:?}"
+        ));
+        cluster
+    }
+
+    /// Waits until every member answers `etcdctl endpoint health` (a linearizable read: a
+    /// leader is elected and the member serves through it), as a deployment waits before
+    /// pointing agents at a new cluster. Listening is not enough: an agent joining while the
+    /// members still elect their first leader in the emulated guest has timed out.
+    fn wait_healthy(&self, within: Duration) -> Duration {
+        let t0 = Instant::now();
+        loop {
+            let out = Command::new("etcdctl")
+                .args([
+                    "--endpoints",
+                    &self.endpoints,
+                    "--dial-timeout=2s",
+                    "--command-timeout=3s",
+                    "endpoint",
+                    "health",
+                ])
+                .env("ETCDCTL_API", "3")
+                .output()
+                .expect("run etcdctl (Debian package etcd-client)");
+            if out.status.success() {
+                return t0.elapsed();
+            }
+            assert!(
+                t0.elapsed() < within,
+                "etcd cluster not healthy after {within:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
     }
 }
 
