@@ -26,6 +26,7 @@ const REGION: RegionInfo = RegionInfo {
     addr: 0x7f00_0000_0000,
     len: 1 << 30,
     lkey: 0x1234,
+    host: true,
 };
 
 fn scattered(n: u64, block: u64) -> (Vec<LocalDesc>, Vec<RemoteDesc>) {

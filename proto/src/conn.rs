@@ -97,6 +97,8 @@ pub(crate) struct QueuedWr {
     pub slot: SlotId,
     pub op: SendOp,
     pub sges: Vec<Sge>,
+    /// Its memory is host memory (may be posted inline).
+    pub host: bool,
     /// The transfer's last request (its requests are queued and posted together).
     pub last: bool,
     /// Number of requests of its transfer (on the first one).

@@ -80,4 +80,8 @@ pub struct RegionInfo {
     pub len: u64,
     /// Local key.
     pub lkey: u32,
+    /// Whether the CPU can read it (host memory). Only such memory is posted inline
+    /// (`IBV_SEND_INLINE`: the CPU copies the bytes into the request inside the post); GPU
+    /// memory is read by the NIC only.
+    pub host: bool,
 }

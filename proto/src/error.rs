@@ -38,6 +38,14 @@ pub enum InvalidDescriptor {
         /// Length of the region.
         region_len: u64,
     },
+    /// A message is longer than the receive buffers it lands in (`max_message`), or empty.
+    #[error("a message of {len} bytes: messages carry 1 to {max} bytes")]
+    MessageSize {
+        /// The message's length.
+        len: u64,
+        /// The largest message (the engine's `max_message`).
+        max: u64,
+    },
     /// An address + length overflows 64 bits.
     #[error("{side} descriptor {index}: address + length overflows")]
     Overflow {

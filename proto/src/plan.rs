@@ -42,6 +42,8 @@ pub struct Plan {
     pub sges: Vec<Sge>,
     /// Total bytes.
     pub bytes: u64,
+    /// Every local region is host memory, so small requests may be posted inline.
+    pub host: bool,
 }
 
 impl Plan {
@@ -172,7 +174,9 @@ pub fn plan_into(
     out.wrs.clear();
     out.sges.clear();
     out.bytes = 0;
+    out.host = false;
     let total = validate(regions, local, remote)?;
+    out.host = regions.iter().all(|r| r.host);
     let max_sge = limits.max_sge.max(1);
     let max_msg = limits.max_msg.clamp(1, u64::from(u32::MAX));
     out.wrs
@@ -245,11 +249,13 @@ mod tests {
             addr: 0x10_0000,
             len: 1 << 16,
             lkey: 1,
+            host: true,
         },
         RegionInfo {
             addr: 0x90_0000,
             len: 1 << 16,
             lkey: 2,
+            host: true,
         },
     ];
 

@@ -279,7 +279,7 @@ impl<Q: SendQueue> Core<Q> {
             };
             let flags = SendFlags {
                 signaled: signal,
-                inline: c.inline(&op, wr.bytes),
+                inline: plan.host && c.inline(&op, wr.bytes),
                 ..SendFlags::default()
             };
             c.queue
@@ -339,6 +339,7 @@ impl<Q: SendQueue> Core<Q> {
                 slot: p.slot,
                 op: one_sided(p.op, wr.remote_addr, wr.rkey),
                 sges: plan.sges_of(wr).to_vec(),
+                host: plan.host,
                 last: i + 1 == n,
                 count: if i == 0 { n } else { 0 },
             });
@@ -435,7 +436,7 @@ impl<Q: SendQueue> Core<Q> {
             let bytes: u64 = q.sges.iter().map(|g| u64::from(g.length)).sum();
             let flags = SendFlags {
                 signaled: signal,
-                inline: c.inline(&q.op, bytes),
+                inline: q.host && c.inline(&q.op, bytes),
                 ..SendFlags::default()
             };
             c.queue.push(q.slot.wr_id(signal), q.op, &q.sges, flags);
@@ -476,12 +477,21 @@ impl<Q: SendQueue> Core<Q> {
     }
 
     /// Posts one signaled request (a SEND) in a new slot keeping `keep`; the caller made sure
-    /// `conn` has a credit ([`Core::poll_credits`]). A refused post is the result.
-    pub fn post_single(&mut self, conn: ConnId, op: SendOp, sge: Sge, keep: Q::Keep) -> Posting {
-        let inline = self
-            .conns
-            .get(conn.0 as usize)
-            .is_some_and(|c| c.inline(&op, u64::from(sge.length)));
+    /// `conn` has a credit ([`Core::poll_credits`]). `host`: `sge` is host memory (a small one is
+    /// then posted inline). A refused post is the result.
+    pub fn post_single(
+        &mut self,
+        conn: ConnId,
+        op: SendOp,
+        sge: Sge,
+        host: bool,
+        keep: Q::Keep,
+    ) -> Posting {
+        let inline = host
+            && self
+                .conns
+                .get(conn.0 as usize)
+                .is_some_and(|c| c.inline(&op, u64::from(sge.length)));
         self.post_control(conn, op_kind(op), keep, |q, wr_id| {
             let flags = SendFlags {
                 inline,

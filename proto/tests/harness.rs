@@ -22,6 +22,7 @@ const REGION: RegionInfo = RegionInfo {
     addr: 0x10_0000,
     len: 1 << 30,
     lkey: 7,
+    host: true,
 };
 const TIMEOUT: Duration = Duration::from_millis(50);
 
@@ -1174,6 +1175,68 @@ fn small_writes_go_inline_and_large_ones_do_not() {
 }
 
 #[test]
+fn small_requests_from_gpu_memory_are_never_inline() {
+    // IBV_SEND_INLINE makes the CPU copy the bytes inside the post: from a device address
+    // that would read memory the CPU cannot reach. Posted at once, queued for a coalesced
+    // post, and as a SEND: the NIC reads GPU memory itself.
+    let gpu = RegionInfo {
+        host: false,
+        ..REGION
+    };
+    for coalesce in [false, true] {
+        let mut fx = if coalesce { coalescing() } else { Fx::new() };
+        for _ in 0..3 {
+            let (local, remote) = scattered(1, 64);
+            let mut plan = fx.core.take_plan();
+            fx.core
+                .plan_transfer(
+                    fx.conn,
+                    Op::Write,
+                    &[gpu],
+                    &local,
+                    &remote,
+                    false,
+                    &mut plan,
+                )
+                .expect("valid lists");
+            assert!(!plan.host);
+            let _ = fx.start(&plan, TransferOptions::default());
+        }
+        if coalesce {
+            assert!(fx.core.take_flush_request(fx.conn), "the later two queued");
+            assert!(fx
+                .core
+                .flush(fx.conn, &mut Context::from_waker(Waker::noop()))
+                .is_ready());
+        }
+        let posted = fx.nic.posted();
+        assert_eq!(posted.len(), 3, "coalesce {coalesce}: {posted:?}");
+        assert!(
+            posted.iter().all(|w| !w.flags.inline),
+            "coalesce {coalesce}: {posted:?}"
+        );
+    }
+    let mut fx = Fx::new();
+    let sge = Sge {
+        addr: REGION.addr,
+        length: 16,
+        lkey: REGION.lkey,
+    };
+    let _ = fx
+        .core
+        .post_single(fx.conn, SendOp::Send, sge, false, Rc::clone(&fx.keep));
+    let _ = fx
+        .core
+        .post_single(fx.conn, SendOp::Send, sge, true, Rc::clone(&fx.keep));
+    let inline: Vec<bool> = fx.nic.posted().iter().map(|w| w.flags.inline).collect();
+    assert_eq!(
+        inline,
+        [false, true],
+        "a SEND from GPU memory, then from host"
+    );
+}
+
+#[test]
 fn a_prepared_transfer_is_bound_to_its_connections_epoch() {
     let mut fx = Fx::new();
     let epoch = fx.core.epoch(fx.conn).expect("live");
@@ -1411,6 +1474,7 @@ fn a_single_send_is_signaled_and_keeps_its_buffer_until_completion() {
         fx.conn,
         SendOp::SendWithImm { imm: 9 },
         sge,
+        true,
         Rc::clone(&fx.keep),
     );
     let wr = fx.nic.posted()[0].clone();

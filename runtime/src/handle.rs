@@ -614,6 +614,27 @@ impl EngineHandle {
         .unwrap_or_else(lost)
     }
 
+    /// See [`Engine::send_from`]: zero-copy from `region` (a clone travels to the core).
+    ///
+    /// # Errors
+    /// As [`Engine::send_from`].
+    pub async fn send_from(
+        &self,
+        conn: ConnId,
+        region: Region,
+        offset: u64,
+        len: u64,
+        imm: Option<u32>,
+    ) -> Result<(), TransferError> {
+        self.on_core(move |s| async move {
+            s.rdma(TransferError::NoNic)?
+                .send_from(conn, &region, offset, len, imm)
+                .await
+        })
+        .await
+        .unwrap_or_else(lost)
+    }
+
     /// See [`Engine::recv`].
     ///
     /// # Errors

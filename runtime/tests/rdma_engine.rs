@@ -791,6 +791,13 @@ fn messages_and_write_notifications_reach_the_peer() {
         local.push(&region, i * 16384, 8192);
         remote.push(peer.remote(i * 8192, 8192));
     }
+    // Zero-copy from the registered region through the handle: data[0] is 77's pattern.
+    block_on(h.send_from(conn, region.clone(), 16384, 300, Some(5))).expect("send_from");
+    assert_eq!(
+        peer.cmd("recv 1"),
+        format!("data 300 {} 0x5", data[16384]),
+        "a zero-copy message from the region"
+    );
     let mut opts = TransferOptions::default();
     opts.notify_imm = Some(0xfeed);
     block_on(h.transfer(conn, Op::Write, local, RemoteDescList(remote), opts)).expect("write+imm");
@@ -1077,6 +1084,136 @@ fn flags_written_by_rdma_signal_arrival_and_small_inline_writes_land_intact() {
                 Err(TransferError::InvalidDescriptor(
                     InvalidDescriptor::Misaligned { .. }
                 ))
+            ));
+            a.shutdown().await;
+            b.shutdown().await;
+        })
+    });
+}
+
+#[test]
+fn messages_sent_from_registered_memory_arrive_intact_and_bad_input_is_typed() {
+    if !have_device("messages_sent_from_registered_memory_arrive_intact_and_bad_input_is_typed") {
+        return;
+    }
+    on_executor(|| {
+        Box::pin(async {
+            let cfg = config();
+            let max = u64::from(cfg.max_message);
+            let (a, b, ca, cb) = engine_pair(&cfg).await;
+            let ra = a.register(1 << 20).await.expect("register a");
+            let mut data = vec![0u8; 1 << 20];
+            fill(&mut data, 77);
+            ra.write_at(0, &data).expect("fill");
+
+            // Zero-copy SENDs of every kind of size (inline up to 220 bytes, then read by the
+            // NIC), at odd offsets, with and without an immediate: byte for byte.
+            let sizes = [1u64, 63, 64, 220, 221, 1000, max];
+            for (i, &len) in sizes.iter().enumerate() {
+                let off = 4096 * i as u64 + 3;
+                let imm = (i % 2 == 1).then_some(i as u32);
+                a.send_from(ca, &ra, off, len, imm)
+                    .await
+                    .expect("send_from");
+                let got = b.recv(cb).await.expect("recv");
+                let want = data[off as usize..(off + len) as usize].to_vec();
+                assert_eq!(got, Message::Data(want, imm), "{len} bytes at {off}");
+            }
+
+            // Bad input: typed, nothing posted, the connection fine afterwards.
+            let reaped = a.counters().completions;
+            let rb = b.register(4096).await.expect("register b");
+            let bad = [
+                (a.send_from(ca, &ra, 0, 0, None).await, "empty"),
+                (
+                    a.send_from(ca, &ra, 0, max + 1, None).await,
+                    "over max_message",
+                ),
+                (
+                    a.send_from(ca, &ra, (1 << 20) - 10, 11, None).await,
+                    "past the end",
+                ),
+                (
+                    a.send_from(ca, &ra, u64::MAX - 1, 8, None).await,
+                    "overflow",
+                ),
+                (
+                    a.send_from(ca, &rb, 0, 8, None).await,
+                    "another engine's region",
+                ),
+            ];
+            for (r, what) in &bad {
+                assert!(
+                    matches!(r, Err(TransferError::InvalidDescriptor(_))),
+                    "{what}: {r:?}"
+                );
+            }
+            assert!(matches!(
+                bad[0].0,
+                Err(TransferError::InvalidDescriptor(
+                    InvalidDescriptor::MessageSize { len: 0, .. }
+                ))
+            ));
+            assert!(matches!(
+                bad[2].0,
+                Err(TransferError::InvalidDescriptor(
+                    InvalidDescriptor::OutOfRange { .. }
+                ))
+            ));
+            assert!(matches!(
+                bad[3].0,
+                Err(TransferError::InvalidDescriptor(
+                    InvalidDescriptor::Overflow { .. }
+                ))
+            ));
+            assert!(matches!(
+                bad[4].0,
+                Err(TransferError::InvalidDescriptor(
+                    InvalidDescriptor::ForeignRegion { .. }
+                ))
+            ));
+            // Nothing posted: no completion, no slot (and the peer receives exactly the
+            // messages below, in order).
+            assert_eq!(a.counters().completions, reaped, "nothing posted");
+            assert_eq!(a.inflight(), 0);
+
+            // A future dropped after its first poll, and the caller's region handle with it:
+            // the in-flight slot keeps the region registered until the NIC is done, and the
+            // message arrives intact.
+            let rc = a.register(1 << 16).await.expect("register c");
+            rc.write_at(0, &data[..1 << 16]).expect("fill c");
+            let before = rc.handle_count();
+            let mut fut = Box::pin(a.send_from(ca, &rc, 0, max, Some(7)));
+            let first = poll_once(&mut fut).await;
+            drop(fut);
+            if first.is_none() {
+                assert!(rc.handle_count() > before - 1, "the slot holds the region");
+            }
+            drop(rc);
+            let got = b.recv(cb).await.expect("recv after the drop");
+            assert_eq!(got, Message::Data(data[..max as usize].to_vec(), Some(7)));
+            settle(&a, |e| e.inflight() == 0).await;
+
+            // The copying send and the zero-copy one interleave in order on one connection.
+            for i in 0..50u64 {
+                if i % 2 == 0 {
+                    a.send(ca, &i.to_le_bytes(), None).await.expect("send");
+                } else {
+                    ra.write_at(0, &i.to_le_bytes()).expect("stage");
+                    a.send_from(ca, &ra, 0, 8, None).await.expect("send_from");
+                }
+            }
+            for i in 0..50u64 {
+                assert_eq!(
+                    b.recv(cb).await.expect("recv"),
+                    Message::Data(i.to_le_bytes().to_vec(), None)
+                );
+            }
+            report(&format!(
+                "send_from: {} sizes verified, {} bad inputs typed, a dropped future's message intact; counters {:?}",
+                sizes.len(),
+                bad.len(),
+                a.counters()
             ));
             a.shutdown().await;
             b.shutdown().await;

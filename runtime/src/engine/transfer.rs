@@ -254,26 +254,19 @@ impl Engine {
     }
 
     /// Sends a small message (at most `max_message` bytes) with SEND (and optional immediate).
+    /// The bytes are copied into a registered message buffer first, so `msg` may be any memory;
+    /// [`Self::send_from`] sends from a registered region without the copy.
     ///
     /// # Errors
-    /// [`TransferError::InvalidDescriptor`] if it is too large; otherwise as a transfer.
+    /// [`InvalidDescriptor::MessageSize`] if it is empty or too large; otherwise as a transfer.
     pub async fn send(
         &self,
         conn: ConnId,
         msg: &[u8],
         imm: Option<u32>,
     ) -> Result<(), TransferError> {
+        self.check_message_size(msg.len() as u64)?;
         let max = self.inner.cfg.max_message;
-        if msg.len() > max as usize || msg.is_empty() {
-            return Err(TransferError::InvalidDescriptor(
-                InvalidDescriptor::OutOfRange {
-                    index: 0,
-                    offset: 0,
-                    len: msg.len() as u64,
-                    region_len: u64::from(max),
-                },
-            ));
-        }
         let inner = Rc::clone(&self.inner);
         let slot = poll_fn(|cx| match inner.msg_free.borrow_mut().pop() {
             Some(i) => Poll::Ready(MessageSlot {
@@ -296,27 +289,76 @@ impl Engine {
             length: msg.len() as u32,
             lkey: inner.msg_region.lkey(),
         };
-        let op = match imm {
-            Some(imm) => SendOp::SendWithImm { imm },
-            None => SendOp::Send,
-        };
         let keep = KeepAlive {
             regions: smallvec::smallvec![inner.msg_region.clone()],
             _message: Some(slot),
         };
-        poll_fn(|cx| inner.core.borrow_mut().poll_credits(conn, 1, cx)).await?;
-        let posting = inner.core.borrow_mut().post_single(conn, op, sge, keep);
-        let mut guard = SlotGuard {
-            inner: Rc::clone(&inner),
-            posting,
-        };
-        inner.kick_progress();
-        let r = wait_slot(&mut guard).await;
+        let r = post_message(&inner, conn, sge, true, imm, keep).await;
         // A freed message slot may unblock a waiting sender.
         for w in inner.msg_waiters.borrow_mut().drain(..) {
             w.wake();
         }
         r
+    }
+
+    /// Sends `len` bytes at `offset` of the registered `region` with SEND (and optional
+    /// immediate), zero-copy: the NIC reads them from the region, as `ib_send_bw` sends from its
+    /// buffer. The peer receives them like any message ([`Self::recv`]). Like a transfer, the
+    /// in-flight table keeps the region registered until the NIC is done, even if this future
+    /// is dropped; the bytes must not change until it completes.
+    ///
+    /// # Errors
+    /// [`InvalidDescriptor::MessageSize`] if `len` is 0 or over `max_message`;
+    /// [`InvalidDescriptor::OutOfRange`] / [`InvalidDescriptor::Overflow`] if the bytes are not
+    /// inside the region; [`InvalidDescriptor::ForeignRegion`] for another engine's region,
+    /// [`InvalidDescriptor::NotRegistered`] for memory not registered with this engine's NIC;
+    /// otherwise as a transfer.
+    pub async fn send_from(
+        &self,
+        conn: ConnId,
+        region: &Region,
+        offset: u64,
+        len: u64,
+        imm: Option<u32>,
+    ) -> Result<(), TransferError> {
+        self.check_message_size(len)?;
+        let end = offset.checked_add(len).ok_or(InvalidDescriptor::Overflow {
+            side: "local",
+            index: 0,
+        })?;
+        if end > region.len() {
+            return Err(InvalidDescriptor::OutOfRange {
+                index: 0,
+                offset,
+                len,
+                region_len: region.len(),
+            }
+            .into());
+        }
+        if region.engine_id() != self.inner.id {
+            return Err(InvalidDescriptor::ForeignRegion { index: 0 }.into());
+        }
+        if region.registration().is_none() {
+            return Err(InvalidDescriptor::NotRegistered { index: 0 }.into());
+        }
+        let sge = Sge {
+            addr: region.addr() + offset,
+            length: len as u32,
+            lkey: region.lkey(),
+        };
+        let keep = KeepAlive {
+            regions: smallvec::smallvec![region.clone()],
+            _message: None,
+        };
+        post_message(&self.inner, conn, sge, !region.is_gpu(), imm, keep).await
+    }
+
+    fn check_message_size(&self, len: u64) -> Result<(), InvalidDescriptor> {
+        let max = u64::from(self.inner.cfg.max_message);
+        if len == 0 || len > max {
+            return Err(InvalidDescriptor::MessageSize { len, max });
+        }
+        Ok(())
     }
 
     /// Receives the next message (SEND payload or WRITE_WITH_IMM notification) on `conn`.
@@ -425,6 +467,7 @@ fn check_and_plan(
             addr: r.addr(),
             len: r.len(),
             lkey: r.lkey(),
+            host: !r.is_gpu(),
         });
     }
     inner.core.borrow().plan_transfer(
@@ -648,4 +691,31 @@ pub(super) async fn wait_slot(guard: &mut SlotGuard) -> Result<(), TransferError
     .await;
     probe::stamp(Point::Finished);
     r
+}
+
+/// Posts one SEND of `sge` (host memory if `host`; keeping `keep` in its slot) once the
+/// connection has a send credit, and waits for its completion.
+async fn post_message(
+    inner: &Rc<Inner>,
+    conn: ConnId,
+    sge: Sge,
+    host: bool,
+    imm: Option<u32>,
+    keep: KeepAlive,
+) -> Result<(), TransferError> {
+    let op = match imm {
+        Some(imm) => SendOp::SendWithImm { imm },
+        None => SendOp::Send,
+    };
+    poll_fn(|cx| inner.core.borrow_mut().poll_credits(conn, 1, cx)).await?;
+    let posting = inner
+        .core
+        .borrow_mut()
+        .post_single(conn, op, sge, host, keep);
+    let mut guard = SlotGuard {
+        inner: Rc::clone(inner),
+        posting,
+    };
+    inner.kick_progress();
+    wait_slot(&mut guard).await
 }

@@ -103,6 +103,9 @@ pub struct Args {
     pub coalesce: bool,
     /// Prepare each transfer once and re-post it (`--prepared`: `Engine::prepare` + `post`).
     pub prepared: bool,
+    /// SEND tests: send with `Engine::send`, which copies each message into the engine's
+    /// message buffers (`--copy`), instead of `Engine::send_from` the registered buffer.
+    pub copy: bool,
     /// How write_lat detects arrival: a flag byte in memory (perftest's way) or WRITE_WITH_IMM.
     pub notify: Notify,
     pub engines: u32,
@@ -202,6 +205,10 @@ pub struct PerftestArgs {
     /// requests; READ/WRITE tests)
     #[arg(long = "prepared", help_heading = "rixl options")]
     prepared: bool,
+    /// SEND tests: send each message with `Engine::send`, which copies it into the engine's
+    /// message buffers, instead of zero-copy from the registered buffer as perftest does
+    #[arg(long = "copy", help_heading = "rixl options")]
+    copy: bool,
     /// write_lat arrival: a flag byte in memory, as perftest, or WRITE_WITH_IMM and a receive
     /// completion
     #[arg(long = "notify", value_name = "HOW", value_enum, default_value_t = Notify::Flag,
@@ -263,6 +270,7 @@ impl PerftestArgs {
             spin_polls: self.spin_polls,
             coalesce: !self.no_coalesce,
             prepared: self.prepared,
+            copy: self.copy,
             notify: self.notify,
             engines: self.engines,
             cpu: self.cpu,

@@ -210,6 +210,7 @@ async fn server(a: Args) -> Res<()> {
                 )?;
                 let flag_at = region.len() / 2 + size - 1;
                 region.write_at(flag_at, &[0]).map_err(s)?;
+                let reply = vec![0x5a; size as usize];
                 streams[0].send("GO")?;
                 for i in 0..n {
                     if *notify == "flag" {
@@ -222,9 +223,11 @@ async fn server(a: Args) -> Res<()> {
                         continue;
                     }
                     engine.recv(conn0).await.map_err(s)?;
-                    if a.test.is_send() {
+                    if a.test.is_send() && a.copy {
+                        engine.send(conn0, &reply, None).await.map_err(s)?;
+                    } else if a.test.is_send() {
                         engine
-                            .send(conn0, &vec![0x5a; size as usize], None)
+                            .send_from(conn0, &region, 0, size, None)
                             .await
                             .map_err(s)?;
                     } else {
@@ -460,7 +463,7 @@ async fn bw_run(
         let region = c.region.clone();
         let send = a.test == Test::SendBw;
         let prepare = a.prepared;
-        let payload = if send {
+        let payload = if send && a.copy {
             vec![0xa5u8; size as usize]
         } else {
             Vec::new()
@@ -497,7 +500,11 @@ async fn bw_run(
                 }
                 next.set(i + 1);
                 let k = (i % conns.len() as u64) as usize;
-                if send {
+                if send && payload.is_empty() {
+                    e.send_from(conns[k].0, &region, 0, size, None)
+                        .await
+                        .map_err(s)?;
+                } else if send {
                     e.send(conns[k].0, &payload, None).await.map_err(s)?;
                 } else {
                     xfers[k].run(&e).await?;
@@ -678,8 +685,13 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                                 c.region.write_at(size - 1, &[v]).map_err(s)?;
                             }
                             let t = cycles::ticks();
-                            if a.test == Test::SendLat {
+                            if a.test == Test::SendLat && a.copy {
                                 c.engine.send(conn, &payload, None).await.map_err(s)?;
+                            } else if a.test == Test::SendLat {
+                                c.engine
+                                    .send_from(conn, &c.region, 0, size, None)
+                                    .await
+                                    .map_err(s)?;
                             } else if notify == Notify::Flag {
                                 ping.run(&c.engine).await?;
                             } else {
