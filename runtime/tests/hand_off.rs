@@ -131,10 +131,12 @@ fn hand_off_file_round_trips_complete_while_another_thread_keeps_calling() {
 #[test]
 fn hand_off_callers_stop_spinning_for_replies_that_do_not_come_within_the_spin() {
     let _one = one_at_a_time();
-    // 1 µs of reply spin against a core that waits for every call (a cross-thread wake-up
-    // and a reactor turn, several µs): the spins miss, and after a few in a row the callers
-    // only probe now and then.
-    let waiting = pool_with(Duration::ZERO, Duration::from_micros(1));
+    // 100 ns of reply spin against a core that waits for calls: a reply crosses threads
+    // twice and runs a task on the core, more than the 200 ns a spin may take to pay. A
+    // reply caught later (this thread taken off its CPU mid-spin, as on a loaded 2-core CI
+    // machine) is a miss too. So the spins miss, and after a few in a row the callers only
+    // probe now and then.
+    let waiting = pool_with(Duration::ZERO, Duration::from_nanos(100));
     let h = waiting.handles()[0].clone();
     for _ in 0..640 {
         null_call(&h);

@@ -202,7 +202,8 @@ fn on_an_engine_core() -> bool {
 impl EngineHandle {
     /// Awaits `call` (this handle's reply, or several calls' joined), polling it in a loop
     /// for up to `EngineConfig::reply_spin` when its first poll finds it pending, so a reply
-    /// that comes back within that costs the caller no wake-up. Not on an engine core (the
+    /// that comes back within that costs the caller no wake-up. A spin pays when its reply
+    /// came within twice the window (the clock is read every [`POLLS_PER_CLOCK_READ`] polls). Not on an engine core (the
     /// reply may need this very thread), and only while such spins pay (see
     /// [`HandOffs::spin_for_reply`]). Polling again is harmless: the futures here only
     /// re-register their waker.
@@ -225,7 +226,11 @@ impl EngineHandle {
                 for _ in 0..POLLS_PER_CLOCK_READ {
                     std::hint::spin_loop();
                     if let Poll::Ready(v) = call.as_mut().poll(cx) {
-                        self.hand_offs.spun(true);
+                        // A reply caught only after the window (this thread was taken off
+                        // its CPU mid-spin, or shares it with the core) did not pay: it
+                        // counts as a miss.
+                        self.hand_offs
+                            .spun(start.elapsed() <= self.reply_spin.saturating_mul(2));
                         return Poll::Ready(v);
                     }
                 }
