@@ -679,6 +679,8 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                         c.oob.expect("GO")?;
                         let payload = vec![0xa5u8; size as usize];
                         let mut breakdown = probes::Breakdown::default();
+                        // send_lat: the SEND's `.await` and the wait for the reply after it.
+                        let (mut sent, mut replied) = (Vec::new(), Vec::new());
                         for i in 0..total {
                             let v = ping_value(i);
                             if notify == Notify::Flag {
@@ -715,12 +717,28 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                                     Message::Immediate(_) | Message::Data(..) => {}
                                     other => return Err(format!("unexpected reply {other:?}")),
                                 }
+                                if i >= warm {
+                                    sent.push(done.wrapping_sub(t));
+                                    replied.push(cycles::ticks().wrapping_sub(done));
+                                }
                             }
                             if i >= warm {
                                 samples.push(cycles::ticks().wrapping_sub(t));
                             }
                         }
                         breakdown.print(&sw);
+                        if !sent.is_empty() {
+                            let med = |v: &[u64]| {
+                                let d: stats::Durations = sw.durations(v).into_iter().collect();
+                                d.quantile_us(0.5)
+                            };
+                            eprintln!(
+                                "rixl-perf: {} {size} B round trip: the send's .await median {:.2} us, then the reply's {:.2} us",
+                                a.test.name(),
+                                med(&sent),
+                                med(&replied)
+                            );
+                        }
                         // Ping-pong round trips, reported one-way like perftest.
                         rows.push(stats::lat_from(size, &sw.durations(&samples), 2.0));
                         if a.test == Test::WriteLat {
