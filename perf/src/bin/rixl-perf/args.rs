@@ -90,6 +90,9 @@ pub struct Args {
     pub iters: u64,
     pub qps: u32,
     pub tx_depth: u32,
+    /// Receive buffers per connection (`EngineConfig::recv_buffers`; the engine's default when
+    /// not given).
+    pub rx_depth: Option<u32>,
     pub post_list: u32,
     pub duration: Option<Duration>,
     pub port: u16,
@@ -155,6 +158,10 @@ pub struct PerftestArgs {
     #[arg(short = 't', long = "tx-depth", value_name = "N",
           value_parser = clap::value_parser!(u32).range(1..))]
     tx_depth: Option<u32>,
+    /// Receive buffers posted per queue pair (SEND tests) [default: the engine's, 64]
+    #[arg(short = 'r', long = "rx-depth", value_name = "N",
+          value_parser = clap::value_parser!(u32).range(1..))]
+    rx_depth: Option<u32>,
     /// Descriptors per transfer (one doorbell)
     #[arg(short = 'l', long = "post_list", value_name = "N", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..))]
@@ -259,6 +266,7 @@ impl PerftestArgs {
                 .unwrap_or(if test == Test::WriteBw { 5000 } else { 1000 }),
             qps: self.qps,
             tx_depth: self.tx_depth.unwrap_or(if test.is_bw() { 128 } else { 1 }),
+            rx_depth: self.rx_depth,
             post_list: self.post_list,
             duration: self.duration.map(Duration::from_secs),
             port: self.port,

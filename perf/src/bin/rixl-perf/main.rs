@@ -100,6 +100,9 @@ fn engine_config(a: &Args, test: Test, max_size: u64, tx_depth: u32, conns: u32)
     if let Some(n) = a.spin_polls {
         cfg.spin_polls = n;
     }
+    if let Some(n) = a.rx_depth {
+        cfg.recv_buffers = n;
+    }
     cfg.max_connections = conns.max(1);
     cfg.send_queue_depth = tx_depth.clamp(64, 1024);
     cfg.post_batch = 64;
