@@ -203,8 +203,9 @@ impl EngineHandle {
     /// Awaits `call` (this handle's reply, or several calls' joined), polling it in a loop
     /// for up to `EngineConfig::reply_spin` when its first poll finds it pending, so a reply
     /// that comes back within that costs the caller no wake-up. A spin pays when its reply
-    /// came within twice the window (the clock is read every [`POLLS_PER_CLOCK_READ`] polls). Not on an engine core (the
-    /// reply may need this very thread), and only while such spins pay (see
+    /// came within twice the window (the clock is read every [`POLLS_PER_CLOCK_READ`]
+    /// polls). Not on an engine core (the reply may need this very thread), and only while
+    /// such spins pay (see
     /// [`HandOffs::spin_for_reply`]). Polling again is harmless: the futures here only
     /// re-register their waker.
     pub(crate) async fn spin_for_reply<F: Future>(&self, call: F) -> F::Output {

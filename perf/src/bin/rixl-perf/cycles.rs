@@ -67,6 +67,12 @@ impl Stopwatch {
             .map(|&t| Duration::from_secs_f64(t as f64 / rate))
             .collect()
     }
+
+    /// The median of `spans` (in ticks), in microseconds.
+    pub fn median_us(&self, spans: &[u64]) -> f64 {
+        let d: super::stats::Durations = self.durations(spans).into_iter().collect();
+        d.quantile_us(0.5)
+    }
 }
 
 #[cfg(test)]

@@ -731,15 +731,11 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                         }
                         breakdown.print(&sw);
                         if !sent.is_empty() {
-                            let med = |v: &[u64]| {
-                                let d: stats::Durations = sw.durations(v).into_iter().collect();
-                                d.quantile_us(0.5)
-                            };
                             eprintln!(
                                 "rixl-perf: {} {size} B round trip: the send's .await median {:.2} us, then the reply's {:.2} us",
                                 a.test.name(),
-                                med(&sent),
-                                med(&replied)
+                                sw.median_us(&sent),
+                                sw.median_us(&replied)
                             );
                         }
                         // Ping-pong round trips, reported one-way like perftest.

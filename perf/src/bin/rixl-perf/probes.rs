@@ -6,7 +6,6 @@
 use rixl::runtime::probe::{self, Point};
 
 use super::cycles::Stopwatch;
-use super::stats::Durations;
 
 /// The spans, in path order: (name, from, to). `None` is the ping's own stamps.
 const SPANS: [(&str, Option<Point>, Option<Point>); 9] = [
@@ -86,11 +85,8 @@ impl Breakdown {
         );
         for (k, (name, ..)) in SPANS.iter().enumerate() {
             let v: Vec<u64> = self.rounds.iter().map(|r| r[k]).collect();
-            let d: Durations = sw.durations(&v).into_iter().collect();
-            if !d.is_empty() {
-                let m = d.quantile_us(0.5);
-                eprintln!("PROBE {k:2} median {m:7.2} us  {name}");
-            }
+            let m = sw.median_us(&v);
+            eprintln!("PROBE {k:2} median {m:7.2} us  {name}");
         }
     }
 }
