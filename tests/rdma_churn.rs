@@ -24,6 +24,12 @@ fn churn_six_agents_join_and_leave_while_the_others_transfer_with_nothing_lost()
         .find(|l| l.starts_with("churn summary:"))
         .unwrap_or("no summary");
     report(summary);
+    if let Some(timing) = stdout
+        .lines()
+        .find(|l| l.starts_with("churn: verified transfers took"))
+    {
+        report(timing);
+    }
     assert!(
         out.status.success(),
         "churn failed:\n{stdout}\n{}",
