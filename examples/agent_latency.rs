@@ -76,13 +76,12 @@ async fn measure(
 
 fn main() -> Result<(), BoxError> {
     let args = Args::parse();
-    let cpus = rixl::runtime::available_cpus().len();
     // Both agents live in this process: one key generated here serves them (or the
     // environment's RIXL_CLUSTER_KEY).
     let key = rixl::agent::ClusterKey::env_or_process_local()?;
     let mk = |cpu: usize| {
         let mut cfg = AgentConfig::default().with_cluster_key(key.clone());
-        cfg.cpu = cpu % cpus;
+        cfg.cpu = rixl::runtime::cpu_at(cpu);
         if let Some(us) = args.reply_spin_us {
             cfg.engine.reply_spin = Duration::from_micros(us);
         }

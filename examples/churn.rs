@@ -79,7 +79,7 @@ fn now_ms() -> u64 {
 /// (a line on stdin, or its end), then shuts down cleanly and reports its leak census.
 fn member(args: &Args, name: &str, etcd: &str) -> Result<(), BoxError> {
     let mut cfg = AgentConfig::default();
-    cfg.cpu = args.cpu % rixl::runtime::available_cpus().len();
+    cfg.cpu = rixl::runtime::cpu_at(args.cpu);
     cfg.engine.transfer_timeout = DEADLINE;
     // Dead peers are found within ~0.2 s (4.096 µs x 2^12 per retry, 3 retries).
     cfg.engine.connect.timeout = 12;

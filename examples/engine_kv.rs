@@ -116,7 +116,7 @@ fn main() -> Result<(), BoxError> {
     pc.cpu = 0;
     let mut dc =
         AgentConfig::default().with_cluster_key(rixl::agent::ClusterKey::env_or_process_local()?);
-    dc.cpu = 1 % rixl::runtime::available_cpus().len();
+    dc.cpu = rixl::runtime::cpu_at(1);
     let prefill = Agent::new("prefill", pc)?;
     let decode = Agent::new("decode", dc)?;
     prefill.listen("127.0.0.1:0")?;

@@ -105,7 +105,7 @@ enum Role {
 /// Fast failure detection: 4.096 µs x 2^12 ≈ 17 ms per transport retry, 3 retries.
 fn config(cpu: usize) -> AgentConfig {
     let mut cfg = AgentConfig::default();
-    cfg.cpu = cpu % rixl::runtime::available_cpus().len();
+    cfg.cpu = rixl::runtime::cpu_at(cpu);
     cfg.engine.connect.timeout = 12;
     cfg.engine.connect.retry_cnt = 3;
     cfg.engine.transfer_timeout = DEADLINE;

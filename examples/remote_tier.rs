@@ -60,12 +60,12 @@ fn main() -> Result<(), BoxError> {
     let o = Opts::parse();
     let (blocks, bs, requests, per) = (o.blocks, o.block_size, o.requests, o.per_request);
     let dir = o.dir.unwrap_or_else(std::env::temp_dir);
-    let ncpu = rixl::runtime::available_cpus().len();
+    let cpus = rixl::runtime::available_cpus();
 
     // --- storage node: a file tier, staging DRAM visible only to the reader.
     let mut cfg =
         AgentConfig::default().with_cluster_key(rixl::agent::ClusterKey::env_or_process_local()?);
-    cfg.cpu = ncpu - 1;
+    cfg.cpu = cpus.last().copied().unwrap_or(0);
     let storage = Agent::new("storage", cfg)?;
     let path = dir.join(format!("remote-tier-{}.bin", std::process::id()));
     let file =

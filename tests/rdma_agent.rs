@@ -885,7 +885,7 @@ fn agent_writes_from_a_task_on_its_engine_core_skip_the_hand_off() {
 /// are).
 fn agent_on(name: &str, cpu: usize) -> Agent {
     let mut cfg = AgentConfig::default();
-    cfg.cpu = cpu % rixl::runtime::available_cpus().len();
+    cfg.cpu = rixl::runtime::cpu_at(cpu);
     Agent::new(name, cfg).expect("agent")
 }
 
@@ -903,7 +903,7 @@ fn prefill_process() {
         return;
     };
     let mut cfg = AgentConfig::default();
-    cfg.cpu = 1 % rixl::runtime::available_cpus().len();
+    cfg.cpu = rixl::runtime::cpu_at(1);
     let prefill = Agent::new("prefill", cfg).expect("agent");
     let kv = block_on(prefill.register((BLOCKS * BLOCK) as usize, Visibility::All)).expect("kv");
     let mut data = vec![0u8; (BLOCKS * BLOCK) as usize];

@@ -19,7 +19,7 @@ const LEN: usize = 64 << 10;
 fn config(cpu: usize) -> AgentConfig {
     init_logs();
     let mut cfg = AgentConfig::default();
-    cfg.cpu = cpu % rixl::runtime::available_cpus().len();
+    cfg.cpu = rixl::runtime::cpu_at(cpu);
     // A first transfer to a peer connects within its deadline: under a loaded CI machine the
     // emulated guest took over 3 s for that once (ConnectTimeout). The NIC's refusals these
     // tests expect come back in milliseconds, well inside it.

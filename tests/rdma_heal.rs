@@ -19,7 +19,7 @@ use rixl_testkit::{
 fn fast_failing(cpu: usize) -> AgentConfig {
     init_logs();
     let mut cfg = AgentConfig::default();
-    cfg.cpu = cpu % rixl::runtime::available_cpus().len();
+    cfg.cpu = rixl::runtime::cpu_at(cpu);
     cfg.engine.connect.timeout = 12;
     cfg.engine.connect.retry_cnt = 3;
     cfg.engine.transfer_timeout = Duration::from_secs(5);
@@ -61,7 +61,7 @@ fn first_wave_32_tasks_to_a_just_loaded_peer_share_one_setup_per_side_and_all_la
     let plain = |cpu: usize| {
         init_logs();
         let mut cfg = AgentConfig::default();
-        cfg.cpu = cpu % rixl::runtime::available_cpus().len();
+        cfg.cpu = rixl::runtime::cpu_at(cpu);
         cfg
     };
     let Some(a) = require_or_skip("first_wave", || Agent::new("wave-a", plain(0))) else {
@@ -596,7 +596,7 @@ fn async_event_port_down_fails_transfers_at_once_and_connections_heal_when_it_is
     // event a transfer on a dead link would take ~8 s to fail.
     let slow = |cpu: usize| {
         let mut cfg = AgentConfig::default();
-        cfg.cpu = cpu % rixl::runtime::available_cpus().len();
+        cfg.cpu = rixl::runtime::cpu_at(cpu);
         cfg.engine.device = Some("rxe1".into());
         cfg.rails = Vec::new();
         cfg.engine.connect.timeout = 18;

@@ -15,7 +15,7 @@ use rixl_testkit::{init_logs, report, require_or_skip, rss_kib, send_long_line};
 fn config(cpu: usize) -> AgentConfig {
     init_logs();
     let mut cfg = AgentConfig::default();
-    cfg.cpu = cpu % rixl::runtime::available_cpus().len();
+    cfg.cpu = rixl::runtime::cpu_at(cpu);
     cfg.engine.transfer_timeout = Duration::from_secs(2);
     cfg.engine.connect.timeout = 12;
     cfg.engine.connect.retry_cnt = 3;

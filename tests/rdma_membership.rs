@@ -158,7 +158,7 @@ impl Drop for Cluster {
 
 fn agent(name: &str, cpu: usize) -> Agent {
     let mut cfg = AgentConfig::default();
-    cfg.cpu = cpu % rixl::runtime::available_cpus().len();
+    cfg.cpu = rixl::runtime::cpu_at(cpu);
     cfg.engine.transfer_timeout = Duration::from_secs(5);
     Agent::new(name, cfg).expect("agent")
 }

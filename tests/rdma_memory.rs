@@ -34,7 +34,7 @@ impl Pair {
         rixl_testkit::init_logs();
         let make = |name: &str, cpu: usize| {
             let mut cfg = AgentConfig::default();
-            cfg.cpu = cpu % rixl::runtime::available_cpus().len();
+            cfg.cpu = rixl::runtime::cpu_at(cpu);
             cfg.nic_grants = nic_grants;
             Agent::new(name, cfg)
         };
@@ -869,7 +869,7 @@ fn caller_owned_failure_names_the_descriptors_that_failed_after_those_that_compl
     };
     // Every request signaled, so the completed prefix is exact.
     let mut cfg = AgentConfig::default();
-    cfg.cpu = 1 % rixl::runtime::available_cpus().len();
+    cfg.cpu = rixl::runtime::cpu_at(1);
     cfg.engine.signal_interval = 1;
     cfg.nic_grants = false;
     p.user.shutdown();

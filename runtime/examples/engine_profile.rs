@@ -35,11 +35,7 @@ fn run(mode: PollMode, idle: Duration) -> Result<(), BoxError> {
     let mut cfg = EngineConfig::from_env();
     cfg.poll_mode = mode;
     cfg.timing = true;
-    let cpus = if rixl_runtime::available_cpus().len() > 1 {
-        vec![0, 1]
-    } else {
-        vec![0, 0]
-    };
+    let cpus = vec![rixl_runtime::cpu_at(0), rixl_runtime::cpu_at(1)];
     let pool = EnginePool::start(&cfg, &cpus, DEFAULT_IO_MEMORY)?;
     let (a, b) = (&pool.handles()[0], &pool.handles()[1]);
     let (ca, ea) = block_on(a.prepare_connection())?;

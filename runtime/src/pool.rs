@@ -114,8 +114,80 @@ impl Drop for EnginePool {
     }
 }
 
-/// The CPUs this process may run on (for pool placement).
+/// The CPUs this process may run on, ascending: its affinity mask (a `taskset`, or a
+/// container's cpuset), from `Cpus_allowed_list` in `/proc/self/status`. Engines pinned to
+/// other CPUs would leave the mask (or fail to start inside a cpuset), so place them with
+/// [`cpu_at`]. Where the mask cannot be read, CPUs `0..available_parallelism()`.
 pub fn available_cpus() -> Vec<usize> {
-    let n = thread::available_parallelism().map_or(1, |n| n.get());
-    (0..n).collect()
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+                .and_then(parse_cpu_list)
+        })
+        .filter(|cpus| !cpus.is_empty())
+        .unwrap_or_else(|| {
+            let n = thread::available_parallelism().map_or(1, |n| n.get());
+            (0..n).collect()
+        })
+}
+
+/// The `i`-th CPU this process may run on, wrapping around ([`available_cpus`]).
+pub fn cpu_at(i: usize) -> usize {
+    let cpus = available_cpus();
+    cpus[i % cpus.len()]
+}
+
+/// Parses a kernel CPU list (`0-3,8,10-11`); `None` if malformed.
+fn parse_cpu_list(list: &str) -> Option<Vec<usize>> {
+    let mut cpus = Vec::new();
+    for part in list.trim().split(',').filter(|p| !p.is_empty()) {
+        let (first, last) = match part.split_once('-') {
+            Some((a, b)) => (a.parse::<usize>().ok()?, b.parse::<usize>().ok()?),
+            None => {
+                let c = part.parse::<usize>().ok()?;
+                (c, c)
+            }
+        };
+        if last < first || last - first > 1 << 16 {
+            return None;
+        }
+        cpus.extend(first..=last);
+    }
+    cpus.sort_unstable();
+    cpus.dedup();
+    Some(cpus)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_lists_parse_like_the_kernel_prints_them_and_bad_ones_are_refused() {
+        assert_eq!(parse_cpu_list("0-3\n"), Some(vec![0, 1, 2, 3]));
+        assert_eq!(parse_cpu_list("1"), Some(vec![1]));
+        assert_eq!(parse_cpu_list("8-9,2,4-5"), Some(vec![2, 4, 5, 8, 9]));
+        assert_eq!(parse_cpu_list("3-1"), None);
+        assert_eq!(parse_cpu_list("x"), None);
+        assert_eq!(parse_cpu_list("0-"), None);
+    }
+
+    #[test]
+    fn available_cpus_are_the_process_mask_and_cpu_at_wraps_within_them() {
+        let cpus = available_cpus();
+        assert!(!cpus.is_empty());
+        // available_parallelism counts this thread's mask (less where a cgroup quota is lower).
+        let n = thread::available_parallelism().map_or(1, |n| n.get());
+        assert!(
+            cpus.len() >= n,
+            "{cpus:?} against available_parallelism {n}"
+        );
+        assert!(cpus.windows(2).all(|w| w[0] < w[1]), "ascending: {cpus:?}");
+        assert_eq!(cpu_at(0), cpus[0]);
+        assert_eq!(cpu_at(cpus.len()), cpus[0]);
+        assert_eq!(cpu_at(cpus.len() - 1), *cpus.last().expect("one"));
+    }
 }

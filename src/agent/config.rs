@@ -77,7 +77,8 @@ impl Visibility {
 pub struct AgentConfig {
     /// The engine's configuration.
     pub engine: EngineConfig,
-    /// CPU of the agent's engine.
+    /// CPU of the agent's engine. Default: the first this process may run on
+    /// ([`crate::runtime::available_cpus`]: a `taskset` or a container's cpuset).
     pub cpu: usize,
     /// glommio I/O memory of the engine's core (locked; the FILE tier stages its I/O there and
     /// falls back to the heap when it is full).
@@ -138,7 +139,7 @@ impl Default for AgentConfig {
     fn default() -> Self {
         AgentConfig {
             engine: EngineConfig::from_env(),
-            cpu: 0,
+            cpu: crate::runtime::cpu_at(0),
             io_memory: DEFAULT_IO_MEMORY,
             rails: std::env::var("RIXL_RDMA_RAILS")
                 .map(|v| {

@@ -203,7 +203,9 @@ impl Agent {
                 tracing::info!(agent = %name, nics = ?devices, gpus = ?cfg.gpus, numa = ?home_numa, "NICs chosen from the topology");
             }
         }
-        let ncpu = crate::runtime::available_cpus().len().max(1);
+        // Rail i's engine: the i-th allowed CPU after the agent's own.
+        let allowed = crate::runtime::available_cpus();
+        let home = allowed.iter().position(|&c| c == cfg.cpu).unwrap_or(0);
         let mut first = cfg.engine.clone();
         first.window_grants = cfg.nic_grants;
         if let Some(d) = devices.first() {
@@ -229,7 +231,7 @@ impl Agent {
             let mut c = cfg.engine.clone();
             c.device = Some(dev.clone());
             c.window_grants = cfg.nic_grants;
-            match EnginePool::start(&c, &[(cfg.cpu + i) % ncpu], cfg.io_memory) {
+            match EnginePool::start(&c, &[allowed[(home + i) % allowed.len()]], cfg.io_memory) {
                 Ok(p) => pools.push(p),
                 Err(e) if chosen => {
                     tracing::warn!(agent = %name, nic = %dev, error = %e, "a NIC the topology chose did not open: left out");

@@ -131,6 +131,17 @@ fn parse_region(f: &[String]) -> Res<RemoteDesc> {
     })
 }
 
+/// The CPU of engine `idx`: the `idx`-th allowed CPU from `--cpu` (itself by default the first
+/// this process may run on), wrapping around within the allowed ones.
+fn cpu_from(first: Option<usize>, idx: usize) -> usize {
+    let cpus = rixl::runtime::available_cpus();
+    let at = first.and_then(|c| cpus.iter().position(|&x| x == c));
+    match (first, at) {
+        (Some(c), None) if idx == 0 => c,
+        _ => rixl::runtime::cpu_at(at.unwrap_or(0) + idx),
+    }
+}
+
 /// Runs `f` on a glommio executor pinned to `cpu`.
 fn on_core<T: Send + 'static>(
     cpu: usize,
@@ -553,8 +564,7 @@ fn client_bw(a: &Args, host: &str) -> Res<Vec<BwRow>> {
         .map(|idx| {
             let (a, host, barrier) = (a.clone(), host.to_string(), Arc::clone(&barrier));
             std::thread::spawn(move || -> Res<Vec<SizeResult>> {
-                let ncpu = rixl::runtime::available_cpus().len();
-                on_core((a.cpu.unwrap_or(0) + idx) % ncpu, move || {
+                on_core(cpu_from(a.cpu, idx), move || {
                     Box::pin(async move {
                         let mut c = client_setup(&a, &host, max_size).await?;
                         let mut out = Vec::new();
@@ -624,7 +634,7 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
         return Err("send_lat: rixl messages are at most 1 MiB".into());
     }
     let (a, host) = (a.clone(), host.to_string());
-    on_core(a.cpu.unwrap_or(0), move || {
+    on_core(cpu_from(a.cpu, 0), move || {
         Box::pin(async move {
             let mut c = client_setup(&a, &host, max_size).await?;
             let (conn, remote0) = c.conns[0];
@@ -817,11 +827,12 @@ fn run(mode: Mode) -> Res<()> {
         Mode::Sweep(w) => return sweep::main(w),
         Mode::File(f) => return file::main(f),
     };
-    let ncpu = rixl::runtime::available_cpus().len();
     let Some(host) = a.server.clone() else {
         // The server sits on the last CPU so a client on the same host (first CPU) does not
         // compete with it for a core.
-        let cpu = a.cpu.unwrap_or(ncpu - 1) % ncpu;
+        let cpu = a
+            .cpu
+            .unwrap_or_else(|| rixl::runtime::available_cpus().last().copied().unwrap_or(0));
         let a2 = a.clone();
         return on_core(cpu, move || Box::pin(server(a2)))?;
     };

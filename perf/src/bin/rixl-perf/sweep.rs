@@ -97,7 +97,7 @@ pub fn main(w: SweepArgs) -> Res<()> {
     }
     // The target: a passive engine on the other core that only registers memory.
     let cpus = rixl::runtime::available_cpus();
-    let target_cpu = if cpus.len() > 1 { 1 } else { 0 };
+    let target_cpu = cpus[1 % cpus.len()];
     let pool = EnginePool::start(&cfg, &[target_cpu], DEFAULT_IO_MEMORY).map_err(s)?;
     let t = pool.handles()[0].clone();
     let target_region = block_on(t.register(w.buffer as usize)).map_err(s)?;
