@@ -113,7 +113,7 @@ fn main() -> Result<(), BoxError> {
     let a = Args::parse();
     let mut pc =
         AgentConfig::default().with_cluster_key(rixl::agent::ClusterKey::env_or_process_local()?);
-    pc.cpu = 0;
+    pc.cpu = rixl::runtime::cpu_at(0);
     let mut dc =
         AgentConfig::default().with_cluster_key(rixl::agent::ClusterKey::env_or_process_local()?);
     dc.cpu = rixl::runtime::cpu_at(1);

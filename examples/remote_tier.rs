@@ -119,7 +119,7 @@ fn main() -> Result<(), BoxError> {
     // --- reader node.
     let mut cfg =
         AgentConfig::default().with_cluster_key(rixl::agent::ClusterKey::env_or_process_local()?);
-    cfg.cpu = 0;
+    cfg.cpu = rixl::runtime::cpu_at(0);
     let reader = Agent::new("reader", cfg)?;
     // One thread forwards the reader's notifications, so each wait can have a deadline.
     let mut notifications = reader.notifications().ok_or("notifications taken")?;

@@ -680,7 +680,7 @@ fn large_transfers_are_striped_over_two_rails_and_verified() {
     let make = |name: &str, cpu: usize| {
         let mut cfg = AgentConfig::default();
         cfg.rails = rails.clone();
-        cfg.cpu = cpu;
+        cfg.cpu = rixl::runtime::cpu_at(cpu);
         Agent::new(name, cfg).expect("multi-rail agent")
     };
     let a = make("rail-a", 0);

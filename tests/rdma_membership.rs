@@ -177,7 +177,7 @@ fn etcd_cluster_member_killed_and_restarted_while_agents_churn_changes_nothing_b
     init_logs();
     let Some(exporter) = require_or_skip("etcd_cluster", || {
         let mut cfg = AgentConfig::default();
-        cfg.cpu = 0;
+        cfg.cpu = rixl::runtime::cpu_at(0);
         Agent::new("exporter", cfg)
     }) else {
         return;

@@ -48,7 +48,7 @@ fn agent(name: &str, cpu: usize, rails: &[String], topology: Option<Machine>) ->
     rixl_testkit::init_logs();
     let mut cfg = AgentConfig::default();
     cfg.rails = rails.to_vec();
-    cfg.cpu = cpu;
+    cfg.cpu = rixl::runtime::cpu_at(cpu);
     cfg.topology = topology.map(Arc::new);
     Agent::new(name, cfg).expect("two-rail agent")
 }

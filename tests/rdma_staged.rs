@@ -19,7 +19,7 @@ fn agent(name: &str, cpu: usize) -> Option<Agent> {
     rixl_testkit::init_logs();
     require_or_skip(name, || {
         let mut cfg = AgentConfig::default();
-        cfg.cpu = cpu;
+        cfg.cpu = rixl::runtime::cpu_at(cpu);
         Agent::new(name, cfg)
     })
 }

@@ -78,21 +78,22 @@ fn rixl_copies(
     copies: usize,
 ) -> Result<f64, BoxError> {
     let gpu = Arc::clone(gpu);
-    let secs = glommio::LocalExecutorBuilder::new(glommio::Placement::Fixed(0))
-        .spawn(move || async move {
-            let stream = CopyStream::new(&gpu).map_err(|e| e.to_string())?;
-            let t = Instant::now();
-            for _ in 0..copies {
-                let p = stream
-                    .copy(Arc::clone(&dst), 0, Arc::clone(&src), 0, len)
-                    .map_err(|e| e.to_string())?;
-                rixl::runtime::gpu::wait_copy(p)
-                    .await
-                    .map_err(|e| e.to_string())?;
-            }
-            Ok::<f64, String>(t.elapsed().as_secs_f64())
-        })?
-        .join()??;
+    let secs =
+        glommio::LocalExecutorBuilder::new(glommio::Placement::Fixed(rixl::runtime::cpu_at(0)))
+            .spawn(move || async move {
+                let stream = CopyStream::new(&gpu).map_err(|e| e.to_string())?;
+                let t = Instant::now();
+                for _ in 0..copies {
+                    let p = stream
+                        .copy(Arc::clone(&dst), 0, Arc::clone(&src), 0, len)
+                        .map_err(|e| e.to_string())?;
+                    rixl::runtime::gpu::wait_copy(p)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                }
+                Ok::<f64, String>(t.elapsed().as_secs_f64())
+            })?
+            .join()??;
     Ok(secs)
 }
 

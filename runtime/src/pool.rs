@@ -118,6 +118,10 @@ impl Drop for EnginePool {
 /// container's cpuset), from `Cpus_allowed_list` in `/proc/self/status`. Engines pinned to
 /// other CPUs would leave the mask (or fail to start inside a cpuset), so place them with
 /// [`cpu_at`]. Where the mask cannot be read, CPUs `0..available_parallelism()`.
+///
+/// The mask is the main thread's (`/proc/self` is the process's first thread): an application
+/// that pins its main thread alone to one CPU narrows this list to that CPU. CPUs isolated with
+/// `isolcpus` are outside the default mask, so engines go there only through an explicit CPU.
 pub fn available_cpus() -> Vec<usize> {
     std::fs::read_to_string("/proc/self/status")
         .ok()

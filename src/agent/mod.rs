@@ -203,7 +203,8 @@ impl Agent {
                 tracing::info!(agent = %name, nics = ?devices, gpus = ?cfg.gpus, numa = ?home_numa, "NICs chosen from the topology");
             }
         }
-        // Rail i's engine: the i-th allowed CPU after the agent's own.
+        // Rail i's engine: the i-th allowed CPU after the agent's own (after the first allowed
+        // one when the agent's CPU is outside the mask, chosen explicitly).
         let allowed = crate::runtime::available_cpus();
         let home = allowed.iter().position(|&c| c == cfg.cpu).unwrap_or(0);
         let mut first = cfg.engine.clone();

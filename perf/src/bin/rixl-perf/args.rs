@@ -225,7 +225,7 @@ pub struct PerftestArgs {
     #[arg(long = "engines", value_name = "N", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(1..), help_heading = "rixl options")]
     engines: u32,
-    /// First CPU to pin engines to [default: client 0, server the last]
+    /// First CPU to pin engines to [default: client the first CPU this process may run on, server the last]
     #[arg(long = "cpu", value_name = "N", help_heading = "rixl options")]
     cpu: Option<usize>,
     /// Use CUDA memory for the buffer, on GPU ID (GPUDirect RDMA; bandwidth tests)

@@ -35,9 +35,9 @@ pub struct FileArgs {
     /// Blocks per transfer (descriptors); --iodepth counts blocks
     #[arg(long = "batch", value_name = "N", default_value = "1", value_parser = count)]
     batch: usize,
-    /// Core to run on
-    #[arg(long = "cpu", value_name = "N", default_value = "0", value_parser = index)]
-    cpu: usize,
+    /// Core to run on [default: the first CPU this process may run on]
+    #[arg(long = "cpu", value_name = "N", value_parser = index)]
+    cpu: Option<usize>,
     /// glommio I/O memory [default: 2 x iodepth x bs, at most 256m]
     #[arg(long = "io_memory", value_name = "B", value_parser = index)]
     io_memory: Option<usize>,
@@ -295,7 +295,8 @@ pub fn main(a: FileArgs) -> Res<()> {
         .io_memory
         .unwrap_or_else(|| ((2 * a.iodepth as u64 * a.bs).min(256 << 20)) as usize);
     let a2 = a.clone();
-    let r = on_core_with(a.cpu, io_memory, move || Box::pin(run(a2)))??;
+    let cpu = a.cpu.unwrap_or_else(|| rixl::runtime::cpu_at(0));
+    let r = on_core_with(cpu, io_memory, move || Box::pin(run(a2)))??;
     if a.verify && a.rw.op() == Op::Write {
         verify(&a)?;
         eprintln!("rixl-perf file: verified {} bytes", r.bytes);
@@ -372,7 +373,7 @@ mod tests {
         let a = p("--filename /x").unwrap();
         assert_eq!(
             (a.rw, a.bs, a.iodepth, a.size, a.batch, a.cpu, a.io_memory),
-            (Rw::Read, 128 << 10, 32, 1 << 30, 1, 0, None)
+            (Rw::Read, 128 << 10, 32, 1 << 30, 1, None, None)
         );
         assert!(!a.verify && a.out_json.is_none());
         // compare_fio.py's invocation.
@@ -380,7 +381,7 @@ mod tests {
             .unwrap();
         assert_eq!(
             (a.rw, a.size, a.cpu, a.io_memory, a.batch, a.verify),
-            (Rw::RandRead, 2 << 30, 1, Some(8 << 20), 4, true)
+            (Rw::RandRead, 2 << 30, Some(1), Some(8 << 20), 4, true)
         );
         assert_eq!(a.out_json.as_deref(), Some("/t.json"));
         assert!(p("--rw read").is_err(), "filename required");

@@ -137,7 +137,10 @@ fn cpu_from(first: Option<usize>, idx: usize) -> usize {
     let cpus = rixl::runtime::available_cpus();
     let at = first.and_then(|c| cpus.iter().position(|&x| x == c));
     match (first, at) {
+        // A --cpu outside the mask is the user's choice for engine 0; the others then take
+        // the allowed CPUs from the first.
         (Some(c), None) if idx == 0 => c,
+        (Some(_), None) => rixl::runtime::cpu_at(idx - 1),
         _ => rixl::runtime::cpu_at(at.unwrap_or(0) + idx),
     }
 }

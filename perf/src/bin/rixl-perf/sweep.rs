@@ -109,8 +109,9 @@ pub fn main(w: SweepArgs) -> Res<()> {
     };
     let (ep_tx, ep_rx) = std::sync::mpsc::channel();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel::<()>();
+    let initiator_cpu = cpus[0];
     let run = std::thread::spawn(move || -> Res<()> {
-        on_core(0, move || {
+        on_core(initiator_cpu, move || {
             Box::pin(async move {
                 let e = Engine::open(cfg).await.map_err(s)?;
                 let (conn, ep) = e.prepare_connection().await.map_err(s)?;
