@@ -32,7 +32,7 @@ pub use file::{
 pub use flag::{wait_flag, Flag};
 pub use handle::{DeviceCopy, EngineHandle, HandOffCounters};
 pub use join::join_all;
-pub use pool::{available_cpus, cpu_at, EnginePool, DEFAULT_IO_MEMORY};
+pub use pool::{available_cpus, cpu_after, cpu_at, EnginePool, DEFAULT_IO_MEMORY};
 pub use rails::{
     lanes, PreparedPart, RailKeys, RailPart, RailSlice, Rails, STRIPE_MIN, STRIPE_SLICE,
 };

@@ -117,12 +117,18 @@ impl Drop for EnginePool {
 /// The CPUs this process may run on, ascending: its affinity mask (a `taskset`, or a
 /// container's cpuset), from `Cpus_allowed_list` in `/proc/self/status`. Engines pinned to
 /// other CPUs would leave the mask (or fail to start inside a cpuset), so place them with
-/// [`cpu_at`]. Where the mask cannot be read, CPUs `0..available_parallelism()`.
+/// [`cpu_at`]. Where the mask cannot be read, CPUs `0..available_parallelism()`. Read once, at
+/// the first call (engines are placed at start-up).
 ///
 /// The mask is the main thread's (`/proc/self` is the process's first thread): an application
 /// that pins its main thread alone to one CPU narrows this list to that CPU. CPUs isolated with
 /// `isolcpus` are outside the default mask, so engines go there only through an explicit CPU.
-pub fn available_cpus() -> Vec<usize> {
+pub fn available_cpus() -> &'static [usize] {
+    static CPUS: std::sync::OnceLock<Vec<usize>> = std::sync::OnceLock::new();
+    CPUS.get_or_init(read_cpu_mask)
+}
+
+fn read_cpu_mask() -> Vec<usize> {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|status| {
@@ -142,6 +148,17 @@ pub fn available_cpus() -> Vec<usize> {
 pub fn cpu_at(i: usize) -> usize {
     let cpus = available_cpus();
     cpus[i % cpus.len()]
+}
+
+/// The CPU `n` places after `cpu` among those this process may run on, wrapping around: `cpu`
+/// itself for `n == 0` (even outside the mask, an explicit choice); counted from the first
+/// allowed CPU when `cpu` is outside the mask. Places an agent's or a tool's further engines.
+pub fn cpu_after(cpu: usize, n: usize) -> usize {
+    if n == 0 {
+        return cpu;
+    }
+    let home = available_cpus().iter().position(|&c| c == cpu).unwrap_or(0);
+    cpu_at(home + n)
 }
 
 /// Parses a kernel CPU list (`0-3,8,10-11`); `None` if malformed.
@@ -193,5 +210,17 @@ mod tests {
         assert_eq!(cpu_at(0), cpus[0]);
         assert_eq!(cpu_at(cpus.len()), cpus[0]);
         assert_eq!(cpu_at(cpus.len() - 1), *cpus.last().expect("one"));
+    }
+
+    #[test]
+    fn cpu_after_counts_allowed_cpus_from_the_given_one_or_from_the_first() {
+        let cpus = available_cpus();
+        let last = *cpus.last().expect("one");
+        assert_eq!(cpu_after(last, 0), last);
+        assert_eq!(cpu_after(last, 1), cpus[0], "wraps around");
+        assert_eq!(cpu_after(cpus[0], cpus.len() + 1), cpu_at(1));
+        // Outside the mask: itself for the first engine, then from the first allowed CPU.
+        assert_eq!(cpu_after(usize::MAX, 0), usize::MAX);
+        assert_eq!(cpu_after(usize::MAX, 1), cpu_at(1));
     }
 }

@@ -203,10 +203,6 @@ impl Agent {
                 tracing::info!(agent = %name, nics = ?devices, gpus = ?cfg.gpus, numa = ?home_numa, "NICs chosen from the topology");
             }
         }
-        // Rail i's engine: the i-th allowed CPU after the agent's own (after the first allowed
-        // one when the agent's CPU is outside the mask, chosen explicitly).
-        let allowed = crate::runtime::available_cpus();
-        let home = allowed.iter().position(|&c| c == cfg.cpu).unwrap_or(0);
         let mut first = cfg.engine.clone();
         first.window_grants = cfg.nic_grants;
         if let Some(d) = devices.first() {
@@ -232,7 +228,7 @@ impl Agent {
             let mut c = cfg.engine.clone();
             c.device = Some(dev.clone());
             c.window_grants = cfg.nic_grants;
-            match EnginePool::start(&c, &[allowed[(home + i) % allowed.len()]], cfg.io_memory) {
+            match EnginePool::start(&c, &[crate::runtime::cpu_after(cfg.cpu, i)], cfg.io_memory) {
                 Ok(p) => pools.push(p),
                 Err(e) if chosen => {
                     tracing::warn!(agent = %name, nic = %dev, error = %e, "a NIC the topology chose did not open: left out");

@@ -131,18 +131,10 @@ fn parse_region(f: &[String]) -> Res<RemoteDesc> {
     })
 }
 
-/// The CPU of engine `idx`: the `idx`-th allowed CPU from `--cpu` (itself by default the first
-/// this process may run on), wrapping around within the allowed ones.
+/// The CPU of engine `idx`: `idx` allowed CPUs after `--cpu` (by default the first this process
+/// may run on; see [`rixl::runtime::cpu_after`]).
 fn cpu_from(first: Option<usize>, idx: usize) -> usize {
-    let cpus = rixl::runtime::available_cpus();
-    let at = first.and_then(|c| cpus.iter().position(|&x| x == c));
-    match (first, at) {
-        // A --cpu outside the mask is the user's choice for engine 0; the others then take
-        // the allowed CPUs from the first.
-        (Some(c), None) if idx == 0 => c,
-        (Some(_), None) => rixl::runtime::cpu_at(idx - 1),
-        _ => rixl::runtime::cpu_at(at.unwrap_or(0) + idx),
-    }
+    rixl::runtime::cpu_after(first.unwrap_or_else(|| rixl::runtime::cpu_at(0)), idx)
 }
 
 /// Runs `f` on a glommio executor pinned to `cpu`.
