@@ -476,6 +476,58 @@ impl<Q: SendQueue> Core<Q> {
         Ok(n)
     }
 
+    /// Coalescing for a message (a SEND of one request): whether it is queued for the
+    /// connection's coalesced post ([`Core::queue_message`]), as [`Core::post`] queues a small
+    /// transfer, rather than posted at once with [`Core::post_single`] (coalescing off, the
+    /// first of its turn, or a connection whose flushes find no company). Counts as the
+    /// decision for one message.
+    pub fn queues_message(&mut self, conn: ConnId) -> bool {
+        self.cfg.coalesce && !self.post_at_once(conn)
+    }
+
+    /// Queues a message for `conn`'s coalesced post in a new slot keeping `keep` (after
+    /// [`Core::queues_message`] said so). The connection's flush ([`Core::take_flush_request`],
+    /// [`Core::flush`]) posts it, in order with what was queued before it. A connection that
+    /// is not ready fails the slot with its error. (Out of line: the message posted at once
+    /// is the latency path, and it stays as small as before.)
+    #[inline(never)]
+    pub fn queue_message(
+        &mut self,
+        conn: ConnId,
+        op: SendOp,
+        sge: Sge,
+        host: bool,
+        keep: Q::Keep,
+    ) -> Posting {
+        let mut p = self.begin(conn, op_kind(op), keep, &TransferOptions::default());
+        p.started = true;
+        p.posted = true;
+        let queued = match self.conns.get_mut(conn.0 as usize) {
+            None => Err(unknown(conn.0)),
+            Some(c) => c.check_ready(conn.0).map(|()| {
+                c.pending.push_back(QueuedWr {
+                    slot: p.slot,
+                    op,
+                    sges: vec![sge],
+                    host,
+                    last: true,
+                    count: 1,
+                });
+            }),
+        };
+        match queued {
+            Ok(()) => {
+                p.queued = true;
+                self.counters.queued += 1;
+            }
+            Err(e) => {
+                self.inflight.fail(p.slot, e);
+                self.inflight.end_posting(p.slot);
+            }
+        }
+        p
+    }
+
     /// Posts one signaled request (a SEND) in a new slot keeping `keep`; the caller made sure
     /// `conn` has a credit ([`Core::poll_credits`]). `host`: `sge` is host memory (a small one is
     /// then posted inline). A refused post is the result.
@@ -520,7 +572,10 @@ impl<Q: SendQueue> Core<Q> {
         p.started = true;
         p.posted = true;
         let Core {
-            conns, inflight, ..
+            conns,
+            inflight,
+            counters,
+            ..
         } = self;
         let posted = match conns.get_mut(conn.0 as usize) {
             None => Err(unknown(conn.0)),
@@ -532,6 +587,8 @@ impl<Q: SendQueue> Core<Q> {
                     Ok(()) => {
                         c.credits.commit(c.credits.plan(1));
                         inflight.add_signaled(p.slot, 1);
+                        counters.work_requests += 1;
+                        counters.doorbells += 1;
                         Ok(())
                     }
                     Err(e) => Err(TransferError::Post(e.to_string())),

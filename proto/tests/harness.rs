@@ -974,6 +974,92 @@ fn coalescing_signals_every_eighth_request_of_a_batch() {
     assert_eq!(done, 8);
 }
 
+/// A message as the runtime's `post_message` sends it: queued for the coalesced post, or
+/// posted at once (the fake queue always has a credit here).
+fn message(fx: &mut Fx, len: u32) -> Posting {
+    let sge = Sge {
+        addr: REGION.addr,
+        length: len,
+        lkey: REGION.lkey,
+    };
+    let keep = Rc::clone(&fx.keep);
+    if fx.core.queues_message(fx.conn) {
+        fx.core
+            .queue_message(fx.conn, SendOp::Send, sge, true, keep)
+    } else {
+        fx.core.post_single(fx.conn, SendOp::Send, sge, true, keep)
+    }
+}
+
+#[test]
+fn coalescing_queues_later_messages_of_the_turn_behind_queued_transfers_in_order() {
+    let mut fx = coalescing();
+    let mut first = message(&mut fx, 64);
+    assert!(!first.queued(), "the first of the turn is posted at once");
+    let mut queued = vec![fx.write(1), message(&mut fx, 64), message(&mut fx, 4096)];
+    assert!(queued.iter().all(Posting::queued));
+    assert_eq!(fx.nic.doorbells(), 1);
+    assert_eq!(fx.core.counters().queued, 3);
+    assert!(fx.core.take_flush_request(fx.conn));
+    assert!(fx
+        .core
+        .flush(fx.conn, &mut Context::from_waker(Waker::noop()))
+        .is_ready());
+    assert_eq!(fx.nic.doorbells(), 2, "one doorbell for the three");
+    let ops: Vec<(bool, bool, bool)> = fx
+        .nic
+        .posted()
+        .iter()
+        .map(|w| {
+            (
+                matches!(w.op, SendOp::Send),
+                w.flags.signaled,
+                w.flags.inline,
+            )
+        })
+        .collect();
+    assert_eq!(
+        ops,
+        [
+            (true, true, true),
+            (false, false, false),
+            (true, false, true),
+            (true, true, false),
+        ],
+        "in order: the at-once SEND, then the WRITE and the SENDs queued after it; the batch's \
+         last is signaled, the small SEND inline"
+    );
+    let c = fx.core.counters();
+    assert_eq!((c.work_requests, c.doorbells), (4, 2));
+    fx.nic.complete_all();
+    assert_eq!(fx.poll_noop(&mut first), Poll::Ready(Ok(())));
+    for p in &mut queued {
+        assert_eq!(fx.poll_noop(p), Poll::Ready(Ok(())), "covered by the last");
+    }
+    assert_eq!(fx.held(), 0);
+}
+
+#[test]
+fn coalescing_off_posts_every_message_at_once() {
+    let mut fx = Fx::new();
+    let ps: Vec<Posting> = (0..3).map(|_| message(&mut fx, 64)).collect();
+    assert!(ps.iter().all(|p| !p.queued()));
+    assert_eq!(fx.nic.doorbells(), 3);
+    assert!(fx.nic.posted().iter().all(|w| w.flags.signaled));
+}
+
+#[test]
+fn a_queued_message_on_a_failed_connection_ends_with_its_error() {
+    let mut fx = coalescing();
+    let _first = message(&mut fx, 64);
+    fx.core
+        .fail_connection(fx.conn, "aborted", &TransferError::Flushed);
+    let mut p = message(&mut fx, 64);
+    assert!(!p.queued(), "not queued: the connection is not ready");
+    assert!(matches!(fx.poll_noop(&mut p), Poll::Ready(Err(_))));
+    assert_eq!(fx.nic.doorbells(), 1, "nothing more posted");
+}
+
 #[test]
 fn coalesced_transfers_end_with_the_error_when_the_connection_fails_before_the_flush() {
     let mut fx = coalescing();

@@ -257,6 +257,13 @@ impl Engine {
     /// The bytes are copied into a registered message buffer first, so `msg` may be any memory;
     /// [`Self::send_from`] sends from a registered region without the copy.
     ///
+    /// Messages are coalesced like small transfers: the first of a progress turn is posted at
+    /// once, later ones in the same turn share the connection's next doorbell and signal. A
+    /// connection's messages go out in the order their futures were first polled, and a
+    /// completed send was delivered to the peer's receive queue. A future dropped before it
+    /// completes either was posted (the message arrives whole) or was still queued (it is never
+    /// sent).
+    ///
     /// # Errors
     /// [`InvalidDescriptor::MessageSize`] if it is empty or too large; otherwise as a transfer.
     pub async fn send(
@@ -305,7 +312,8 @@ impl Engine {
     /// immediate), zero-copy: the NIC reads them from the region, as `ib_send_bw` sends from its
     /// buffer. The peer receives them like any message ([`Self::recv`]). Like a transfer, the
     /// in-flight table keeps the region registered until the NIC is done, even if this future
-    /// is dropped; the bytes must not change until it completes.
+    /// is dropped; the bytes must not change until it completes. Coalesced, ordered and
+    /// cancelled like [`Self::send`].
     ///
     /// # Errors
     /// [`InvalidDescriptor::MessageSize`] if `len` is 0 or over `max_message`;
@@ -611,8 +619,18 @@ async fn flush_queue(inner: Rc<Inner>, conn: ConnId) {
         let rung = core.counters().doorbells;
         let r = core.flush(conn, cx);
         let posted = core.counters().doorbells != rung;
+        if !(posted || r.is_ready()) {
+            return r;
+        }
+        // A device that completes within the post (rxe): reap here, which wakes the queued
+        // futures, and leave the progress task parked when nothing is left to wait for (a
+        // latency loop's occasional probe would otherwise set it spinning beside the loop).
+        if posted {
+            let _ = reap_until(&inner, &mut core, 1, |_| Poll::<()>::Pending);
+        }
+        let waiting = !core.activity().idle || inner.cq_failed.get();
         drop(core);
-        if posted || r.is_ready() {
+        if waiting {
             inner.kick_progress();
         }
         r
@@ -675,7 +693,9 @@ pub(super) async fn wait_slot(guard: &mut SlotGuard) -> Result<(), TransferError
         if let Poll::Ready(r) = core.try_finish(&mut guard.posting) {
             return Poll::Ready(r);
         }
-        let polls = if core.inflight_len() <= 1 {
+        // A queued transfer's flush is a task that has not run yet: spinning for it would only
+        // delay it.
+        let polls = if core.inflight_len() <= 1 && !guard.posting.queued() {
             inner.cfg.spin_polls
         } else {
             1
@@ -693,8 +713,30 @@ pub(super) async fn wait_slot(guard: &mut SlotGuard) -> Result<(), TransferError
     r
 }
 
+/// Queues a message for `conn`'s coalesced post and schedules the flush if none is. Out of
+/// line: the message posted at once is the latency path, and its future stays small.
+#[inline(never)]
+fn queue_message(
+    inner: &Rc<Inner>,
+    conn: ConnId,
+    op: SendOp,
+    sge: Sge,
+    host: bool,
+    keep: KeepAlive,
+) -> Posting {
+    let mut core = inner.core.borrow_mut();
+    let posting = core.queue_message(conn, op, sge, host, keep);
+    let flush = posting.queued() && core.take_flush_request(conn);
+    drop(core);
+    if flush {
+        crate::supervise::spawn("flush queue", flush_queue(Rc::clone(inner), conn));
+    }
+    posting
+}
+
 /// Posts one SEND of `sge` (host memory if `host`; keeping `keep` in its slot) once the
-/// connection has a send credit, and waits for its completion.
+/// connection has a send credit, or queues it for the connection's coalesced post, and waits
+/// for its completion.
 async fn post_message(
     inner: &Rc<Inner>,
     conn: ConnId,
@@ -707,15 +749,23 @@ async fn post_message(
         Some(imm) => SendOp::SendWithImm { imm },
         None => SendOp::Send,
     };
-    poll_fn(|cx| inner.core.borrow_mut().poll_credits(conn, 1, cx)).await?;
-    let posting = inner
-        .core
-        .borrow_mut()
-        .post_single(conn, op, sge, host, keep);
+    // Coalesced like a small transfer: a message that is not the first of its turn waits for
+    // the connection's flush, which posts it with the others queued in this turn.
+    let queue = inner.core.borrow_mut().queues_message(conn);
+    let posting = if queue {
+        queue_message(inner, conn, op, sge, host, keep)
+    } else {
+        poll_fn(|cx| inner.core.borrow_mut().poll_credits(conn, 1, cx)).await?;
+        let posting = inner
+            .core
+            .borrow_mut()
+            .post_single(conn, op, sge, host, keep);
+        inner.kick_progress();
+        posting
+    };
     let mut guard = SlotGuard {
         inner: Rc::clone(inner),
         posting,
     };
-    inner.kick_progress();
     wait_slot(&mut guard).await
 }
