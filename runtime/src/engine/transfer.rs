@@ -258,11 +258,12 @@ impl Engine {
     /// [`Self::send_from`] sends from a registered region without the copy.
     ///
     /// Messages are coalesced like small transfers: the first of a progress turn is posted at
-    /// once, later ones in the same turn share the connection's next doorbell and signal. A
-    /// connection's messages go out in the order their futures were first polled, and a
-    /// completed send was delivered to the peer's receive queue. A future dropped before it
-    /// completes either was posted (the message arrives whole) or was still queued (it is never
-    /// sent).
+    /// once, later ones in the same turn share the connection's next doorbell and signal.
+    /// Messages sent one after another arrive in order; concurrent ones go out in the order
+    /// their futures were first polled (one that waits for a free send-queue slot may be
+    /// overtaken). A completed send was delivered to the peer's receive queue. A future dropped
+    /// before it completes either was posted (the message arrives whole) or was still queued
+    /// (it is never sent).
     ///
     /// # Errors
     /// [`InvalidDescriptor::MessageSize`] if it is empty or too large; otherwise as a transfer.
