@@ -156,7 +156,6 @@ impl<Q: SendQueue> Core<Q> {
             // A queued transfer must fit one doorbell of the flush.
             if self.cfg.coalesce
                 && plan.wrs.len() <= COALESCE_MAX_WRS.min(self.cfg.post_batch.max(1) as usize)
-                && p.notify_imm.is_none()
                 && !self.post_at_once(p.conn)
             {
                 // Posted by the connection's flush, which ends posting for the slot.
@@ -269,14 +268,7 @@ impl<Q: SendQueue> Core<Q> {
             if signal {
                 p.signaled_at.push(at);
             }
-            let op = match (p.op, p.notify_imm) {
-                (Op::Write, Some(imm)) if i + 1 == last => SendOp::WriteWithImm {
-                    remote_addr: wr.remote_addr,
-                    rkey: wr.rkey,
-                    imm,
-                },
-                (op, _) => one_sided(op, wr.remote_addr, wr.rkey),
-            };
+            let op = request_op(p, wr.remote_addr, wr.rkey, i + 1 == last);
             let flags = SendFlags {
                 signaled: signal,
                 inline: plan.host && c.inline(&op, wr.bytes),
@@ -337,7 +329,7 @@ impl<Q: SendQueue> Core<Q> {
         for (i, wr) in plan.wrs.iter().enumerate() {
             c.pending.push_back(QueuedWr {
                 slot: p.slot,
-                op: one_sided(p.op, wr.remote_addr, wr.rkey),
+                op: request_op(p, wr.remote_addr, wr.rkey, i + 1 == n),
                 sges: plan.sges_of(wr).to_vec(),
                 host: plan.host,
                 last: i + 1 == n,
@@ -604,10 +596,16 @@ impl<Q: SendQueue> Core<Q> {
 }
 
 /// The request of a READ or WRITE piece.
-fn one_sided(op: Op, remote_addr: u64, rkey: u32) -> SendOp {
-    match op {
-        Op::Write => SendOp::Write { remote_addr, rkey },
-        Op::Read => SendOp::Read { remote_addr, rkey },
+/// The operation of a transfer's request: its last one carries the notification, if any.
+fn request_op(p: &Posting, remote_addr: u64, rkey: u32, last: bool) -> SendOp {
+    match (p.op, p.notify_imm) {
+        (Op::Write, Some(imm)) if last => SendOp::WriteWithImm {
+            remote_addr,
+            rkey,
+            imm,
+        },
+        (Op::Write, _) => SendOp::Write { remote_addr, rkey },
+        (Op::Read, _) => SendOp::Read { remote_addr, rkey },
     }
 }
 

@@ -897,16 +897,52 @@ fn coalescing_posts_at_once_again_in_the_next_turn() {
 }
 
 #[test]
-fn coalescing_never_queues_a_notification() {
+fn coalescing_queues_a_notification_behind_queued_transfers_with_the_immediate_last() {
     let mut fx = coalescing();
-    let _a = fx.write(1);
+    // The first of the turn, notification or not, is posted at once.
     let plan = fx.plan(Op::Write, 1, 64);
     let mut opts = TransferOptions::default();
+    opts.notify_imm = Some(4);
+    let (first, _) = fx.start(&plan, opts);
+    assert!(!first.queued());
+    assert!(matches!(
+        fx.nic.posted().last().map(|w| w.op),
+        Some(SendOp::WriteWithImm { imm: 4, .. })
+    ));
+    // Later ones queue behind what is queued: the notification never lands before the data
+    // queued ahead of it on the connection.
+    let queued = fx.write(1);
+    assert!(queued.queued());
+    let plan = fx.plan(Op::Write, 2, 64);
+    let mut opts = TransferOptions::default();
     opts.notify_imm = Some(5);
-    let (p, _) = fx.start(&plan, opts);
-    assert!(!p.queued());
-    let last = fx.nic.posted().last().cloned().expect("posted");
-    assert!(matches!(last.op, SendOp::WriteWithImm { imm: 5, .. }));
+    let (notified, _) = fx.start(&plan, opts);
+    assert!(notified.queued(), "behind the queued transfer");
+    assert_eq!(fx.nic.doorbells(), 1);
+    assert!(fx.core.take_flush_request(fx.conn));
+    assert!(fx
+        .core
+        .flush(fx.conn, &mut Context::from_waker(Waker::noop()))
+        .is_ready());
+    let ops: Vec<Option<u32>> = fx.nic.posted()[1..]
+        .iter()
+        .map(|w| match w.op {
+            SendOp::WriteWithImm { imm, .. } => Some(imm),
+            SendOp::Write { .. } => None,
+            other => panic!("unexpected {other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        ops,
+        [None, None, Some(5)],
+        "the immediate on its last request"
+    );
+    let mut all = [first, queued, notified];
+    fx.nic.complete_all();
+    for p in &mut all {
+        assert_eq!(fx.poll_noop(p), Poll::Ready(Ok(())));
+    }
+    assert_eq!(fx.held(), 0);
 }
 
 #[test]

@@ -1248,9 +1248,7 @@ fn concurrent_messages_share_doorbells_and_arrive_intact() {
     }
     on_executor(|| {
         Box::pin(async {
-            let mut cfg = config();
-            cfg.coalesce = true;
-            let (a, b, ca, cb) = engine_pair(&cfg).await;
+            let (a, b, ca, cb) = coalescing_pair().await;
             let n = 1000u32;
             // The reader runs beside the senders (a full inbox holds back receive buffers).
             let reader = {
@@ -1317,6 +1315,97 @@ fn concurrent_messages_share_doorbells_and_arrive_intact() {
             b.shutdown().await;
         })
     });
+}
+
+#[test]
+fn a_sender_waiting_for_a_message_buffer_is_woken_when_queued_messages_are_cancelled() {
+    if !have_device(
+        "a_sender_waiting_for_a_message_buffer_is_woken_when_queued_messages_are_cancelled",
+    ) {
+        return;
+    }
+    on_executor(|| {
+        Box::pin(async {
+            let (a, b, ca, cb) = coalescing_pair().await;
+            // Copying sends polled in one turn until 64 are pending take every buffer of the
+            // send-message pool; all but the first (posted at once, and on rxe perhaps done in
+            // its first poll) wait in the coalescing queue.
+            let msgs: Vec<Vec<u8>> = (0..1000u32).map(message_bytes).collect();
+            let mut futs = Vec::new();
+            let mut posted = Vec::new();
+            let mut i = 0u32;
+            while futs.len() < 64 {
+                let queued = a.counters().queued;
+                let mut f = Box::pin(a.send(ca, &msgs[i as usize], Some(i)));
+                let first = poll_once(&mut f).await;
+                if a.counters().queued == queued {
+                    posted.push(i);
+                }
+                match first {
+                    Some(r) => r.expect("a send done in its first poll"),
+                    None => futs.push((i, f)),
+                }
+                i += 1;
+                assert!((i as usize) < msgs.len(), "sends kept finishing at once");
+            }
+            assert!(posted.len() < 64, "the turn's later sends were queued");
+            // A 65th sender finds no buffer and waits for one.
+            let late = {
+                let a = a.clone();
+                glommio::spawn_local(async move { a.send(ca, b"late", Some(999)).await })
+            };
+            // The queued sends are cancelled (dropped before their flush): their buffers go
+            // back to the pool, which must wake the waiting sender. The posted ones are kept,
+            // unpolled, so nothing else frees a buffer.
+            let mut kept = Vec::new();
+            for (i, f) in futs {
+                if posted.contains(&i) {
+                    kept.push(f);
+                }
+            }
+            let woke = futures_lite::future::or(async { Some(late.await) }, async {
+                glommio::timer::sleep(Duration::from_secs(10)).await;
+                None
+            })
+            .await;
+            assert!(
+                matches!(woke, Some(Ok(()))),
+                "the waiting sender got a buffer: {woke:?}"
+            );
+            for f in kept {
+                f.await.expect("posted send");
+            }
+            let mut got = Vec::new();
+            for _ in 0..posted.len() + 1 {
+                match b.recv(cb).await.expect("recv") {
+                    Message::Data(bytes, Some(imm)) => got.push((imm, bytes)),
+                    other => panic!("unexpected {other:?}"),
+                }
+            }
+            got.sort();
+            let mut want: Vec<(u32, Vec<u8>)> =
+                posted.iter().map(|&i| (i, message_bytes(i))).collect();
+            want.push((999, b"late".to_vec()));
+            assert_eq!(
+                got, want,
+                "the posted messages and the late one, nothing cancelled"
+            );
+            report(&format!(
+                "message pool: 64 buffers taken, {} sends posted, {} cancelled in the queue; the waiting sender was woken by the cancelled ones' buffers",
+                posted.len(),
+                i as usize - posted.len()
+            ));
+            a.shutdown().await;
+            b.shutdown().await;
+        })
+    });
+}
+
+/// Two engines of one executor, connected, with coalescing on.
+async fn coalescing_pair() -> (Engine, Engine, ConnId, ConnId) {
+    let mut cfg = config();
+    cfg.coalesce = true;
+    engine_pair(&cfg).await
 }
 
 /// Message `i` of the concurrent-messages test: 24 to 1,023 bytes, each byte derived from `i`.

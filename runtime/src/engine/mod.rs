@@ -59,8 +59,7 @@ pub(crate) struct Inner {
     progress_waker: RefCell<Option<Waker>>,
     shutdown: Cell<bool>,
     msg_region: Region,
-    msg_free: Rc<RefCell<Vec<u32>>>,
-    msg_waiters: RefCell<Vec<Waker>>,
+    msg_slots: Rc<RefCell<nic::MessageSlots>>,
     /// Whether the engine's port is up (a port-down async event clears it, port-active sets
     /// it): connections are refused while it is down.
     port_up: Cell<bool>,
@@ -149,8 +148,7 @@ impl Engine {
         let inner = Rc::new(Inner {
             id,
             msg_region: Region::new(opened.messages, id),
-            msg_free: Rc::new(RefCell::new((0..MESSAGE_SLOTS).rev().collect())),
-            msg_waiters: RefCell::new(Vec::new()),
+            msg_slots: Rc::new(RefCell::new(nic::MessageSlots::new(MESSAGE_SLOTS))),
             pd: opened.pd,
             cq: opened.cq,
             device: opened.device,

@@ -4,6 +4,7 @@
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
 
 use rixl_proto::{Completion, CompletionSource, SendFlags, SendOp, SendQueue, Sge};
 use rixl_verbs::{
@@ -21,15 +22,55 @@ pub(crate) struct KeepAlive {
     pub _message: Option<MessageSlot>,
 }
 
-/// A slot of the engine's registered send-message pool; returned to the pool on drop.
+/// The engine's registered send-message pool: free slot indices and the senders waiting for one.
+#[derive(Default)]
+pub(crate) struct MessageSlots {
+    free: Vec<u32>,
+    waiters: Vec<Waker>,
+}
+
+impl MessageSlots {
+    pub fn new(slots: u32) -> Self {
+        MessageSlots {
+            free: (0..slots).rev().collect(),
+            waiters: Vec::new(),
+        }
+    }
+
+    /// Takes a free slot, or registers the sender's waker (woken when a slot comes back).
+    pub fn take(pool: &Rc<RefCell<Self>>, cx: &mut Context<'_>) -> Poll<MessageSlot> {
+        let mut p = pool.borrow_mut();
+        match p.free.pop() {
+            Some(index) => Poll::Ready(MessageSlot {
+                index,
+                pool: Rc::clone(pool),
+            }),
+            None => {
+                p.waiters.push(cx.waker().clone());
+                Poll::Pending
+            }
+        }
+    }
+}
+
+/// A slot of the engine's registered send-message pool. Returned to the pool on drop, whatever
+/// drops it (the sender's slot finishing, a cancelled queued message, a released in-flight
+/// slot), and the senders waiting for a slot are woken then.
 pub(crate) struct MessageSlot {
     pub index: u32,
-    pub free: Rc<RefCell<Vec<u32>>>,
+    pool: Rc<RefCell<MessageSlots>>,
 }
 
 impl Drop for MessageSlot {
     fn drop(&mut self) {
-        self.free.borrow_mut().push(self.index);
+        let waiters = {
+            let mut p = self.pool.borrow_mut();
+            p.free.push(self.index);
+            std::mem::take(&mut p.waiters)
+        };
+        for w in waiters {
+            w.wake();
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use rixl_verbs::WorkCompletion;
 use smallvec::SmallVec;
 use tracing::Instrument;
 
-use super::nic::{KeepAlive, MessageSlot, VerbsCq, VerbsQueue};
+use super::nic::{KeepAlive, MessageSlots, VerbsCq, VerbsQueue};
 use super::{Engine, Inner};
 use crate::desc::{LocalDescList, Region, RemoteDescList};
 use crate::error::{InvalidDescriptor, TransferError};
@@ -276,17 +276,7 @@ impl Engine {
         self.check_message_size(msg.len() as u64)?;
         let max = self.inner.cfg.max_message;
         let inner = Rc::clone(&self.inner);
-        let slot = poll_fn(|cx| match inner.msg_free.borrow_mut().pop() {
-            Some(i) => Poll::Ready(MessageSlot {
-                index: i,
-                free: Rc::clone(&inner.msg_free),
-            }),
-            None => {
-                inner.msg_waiters.borrow_mut().push(cx.waker().clone());
-                Poll::Pending
-            }
-        })
-        .await;
+        let slot = poll_fn(|cx| MessageSlots::take(&inner.msg_slots, cx)).await;
         let off = u64::from(slot.index * max);
         inner
             .msg_region
@@ -301,12 +291,9 @@ impl Engine {
             regions: smallvec::smallvec![inner.msg_region.clone()],
             _message: Some(slot),
         };
-        let r = post_message(&inner, conn, sge, true, imm, keep).await;
-        // A freed message slot may unblock a waiting sender.
-        for w in inner.msg_waiters.borrow_mut().drain(..) {
-            w.wake();
-        }
-        r
+        // The slot goes back to the pool (waking a waiting sender) when the in-flight table
+        // drops the keep-alive.
+        post_message(&inner, conn, sge, true, imm, keep).await
     }
 
     /// Sends `len` bytes at `offset` of the registered `region` with SEND (and optional
@@ -694,8 +681,9 @@ pub(super) async fn wait_slot(guard: &mut SlotGuard) -> Result<(), TransferError
         if let Poll::Ready(r) = core.try_finish(&mut guard.posting) {
             return Poll::Ready(r);
         }
-        // A queued transfer's flush is a task that has not run yet: spinning for it would only
-        // delay it.
+        // A queued transfer's flush is a task that has not run yet when it first waits:
+        // spinning for it would only delay it (after the flush, the flush's own reap or the
+        // progress task completes it).
         let polls = if core.inflight_len() <= 1 && !guard.posting.queued() {
             inner.cfg.spin_polls
         } else {
