@@ -446,6 +446,12 @@ impl<Q: SendQueue> Core<Q> {
         }
     }
 
+    /// Whether a signaled request is outstanding: a completion the CQ has still to deliver
+    /// (O(1), unlike [`Core::activity`], which looks at every connection).
+    pub fn awaits_completion(&self) -> bool {
+        self.inflight.signaled_outstanding() > 0
+    }
+
     /// Whether anything awaits a completion or a message.
     pub fn activity(&self) -> Activity {
         let mut idle = self.inflight.signaled_outstanding() == 0;

@@ -160,13 +160,17 @@ impl<Q: SendQueue> Core<Q> {
             {
                 // Posted by the connection's flush, which ends posting for the slot.
                 p.posted = true;
-                match self.enqueue(p, plan) {
-                    Ok(()) => p.queued = true,
-                    Err(e) => {
-                        self.inflight.fail(p.slot, e);
-                        self.inflight.end_posting(p.slot);
-                    }
-                }
+                let n = plan.wrs.len();
+                let wrs = plan.wrs.iter().enumerate().map(|(i, wr)| QueuedWr {
+                    slot: p.slot,
+                    op: request_op(p, wr.remote_addr, wr.rkey, i + 1 == n),
+                    sges: plan.sges_of(wr).to_vec(),
+                    host: plan.host,
+                    last: i + 1 == n,
+                    count: if i == 0 { n } else { 0 },
+                });
+                let queued = self.enqueue(p.conn, wrs);
+                self.settle_queued(p, queued);
                 return Poll::Ready(());
             }
         }
@@ -318,26 +322,34 @@ impl<Q: SendQueue> Core<Q> {
         }
     }
 
-    /// Queues a small transfer's requests for the connection's coalesced post.
-    fn enqueue(&mut self, p: &Posting, plan: &crate::plan::Plan) -> Result<(), TransferError> {
+    /// Queues a transfer's requests `wrs` for `conn`'s coalesced post, if the connection is
+    /// ready.
+    fn enqueue(
+        &mut self,
+        conn: ConnId,
+        wrs: impl IntoIterator<Item = QueuedWr>,
+    ) -> Result<(), TransferError> {
         let c = self
             .conns
-            .get_mut(p.conn.0 as usize)
-            .ok_or_else(|| unknown(p.conn.0))?;
-        c.check_ready(p.conn.0)?;
-        let n = plan.wrs.len();
-        for (i, wr) in plan.wrs.iter().enumerate() {
-            c.pending.push_back(QueuedWr {
-                slot: p.slot,
-                op: request_op(p, wr.remote_addr, wr.rkey, i + 1 == n),
-                sges: plan.sges_of(wr).to_vec(),
-                host: plan.host,
-                last: i + 1 == n,
-                count: if i == 0 { n } else { 0 },
-            });
-        }
-        self.counters.queued += 1;
+            .get_mut(conn.0 as usize)
+            .ok_or_else(|| unknown(conn.0))?;
+        c.check_ready(conn.0)?;
+        c.pending.extend(wrs);
         Ok(())
+    }
+
+    /// Marks `p` queued, or ends its slot with the error that kept it out of the queue.
+    fn settle_queued(&mut self, p: &mut Posting, queued: Result<(), TransferError>) {
+        match queued {
+            Ok(()) => {
+                p.queued = true;
+                self.counters.queued += 1;
+            }
+            Err(e) => {
+                self.inflight.fail(p.slot, e);
+                self.inflight.end_posting(p.slot);
+            }
+        }
     }
 
     /// Whether `conn` has queued transfers and no flush scheduled yet; marks one scheduled (the
@@ -494,29 +506,18 @@ impl<Q: SendQueue> Core<Q> {
         let mut p = self.begin(conn, op_kind(op), keep, &TransferOptions::default());
         p.started = true;
         p.posted = true;
-        let queued = match self.conns.get_mut(conn.0 as usize) {
-            None => Err(unknown(conn.0)),
-            Some(c) => c.check_ready(conn.0).map(|()| {
-                c.pending.push_back(QueuedWr {
-                    slot: p.slot,
-                    op,
-                    sges: vec![sge],
-                    host,
-                    last: true,
-                    count: 1,
-                });
-            }),
-        };
-        match queued {
-            Ok(()) => {
-                p.queued = true;
-                self.counters.queued += 1;
-            }
-            Err(e) => {
-                self.inflight.fail(p.slot, e);
-                self.inflight.end_posting(p.slot);
-            }
-        }
+        let queued = self.enqueue(
+            conn,
+            [QueuedWr {
+                slot: p.slot,
+                op,
+                sges: vec![sge],
+                host,
+                last: true,
+                count: 1,
+            }],
+        );
+        self.settle_queued(&mut p, queued);
         p
     }
 

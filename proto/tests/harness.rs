@@ -778,6 +778,16 @@ fn coalescing_posts_the_first_small_transfer_of_a_turn_at_once() {
     assert!(!fx.core.take_flush_request(fx.conn));
 }
 
+/// Completes everything posted and takes `ps`' results (the queued ones covered by a later
+/// signal); nothing is held afterwards.
+fn complete_and_take<'a>(fx: &mut Fx, ps: impl IntoIterator<Item = &'a mut Posting>) {
+    fx.nic.complete_all();
+    for p in ps {
+        assert_eq!(fx.poll_noop(p), Poll::Ready(Ok(())), "covered by the last");
+    }
+    assert_eq!(fx.held(), 0);
+}
+
 /// Flushes the queue, completes everything and takes `ps`' results.
 fn flush_and_complete(fx: &mut Fx, ps: &mut [Posting]) {
     assert!(fx.core.take_flush_request(fx.conn));
@@ -850,12 +860,7 @@ fn coalescing_queues_later_small_transfers_of_the_turn_and_flushes_them_with_one
         .map(|w| w.flags.signaled)
         .collect();
     assert_eq!(signaled, [false, false, true], "only the batch's last");
-    fx.nic.complete_all();
-    assert_eq!(fx.poll_noop(&mut first), Poll::Ready(Ok(())));
-    for p in &mut queued {
-        assert_eq!(fx.poll_noop(p), Poll::Ready(Ok(())), "covered by the last");
-    }
-    assert_eq!(fx.held(), 0);
+    complete_and_take(&mut fx, std::iter::once(&mut first).chain(&mut queued));
 }
 
 #[test]
@@ -937,12 +942,7 @@ fn coalescing_queues_a_notification_behind_queued_transfers_with_the_immediate_l
         [None, None, Some(5)],
         "the immediate on its last request"
     );
-    let mut all = [first, queued, notified];
-    fx.nic.complete_all();
-    for p in &mut all {
-        assert_eq!(fx.poll_noop(p), Poll::Ready(Ok(())));
-    }
-    assert_eq!(fx.held(), 0);
+    complete_and_take(&mut fx, &mut [first, queued, notified]);
 }
 
 #[test]
@@ -1067,12 +1067,7 @@ fn coalescing_queues_later_messages_of_the_turn_behind_queued_transfers_in_order
     );
     let c = fx.core.counters();
     assert_eq!((c.work_requests, c.doorbells), (4, 2));
-    fx.nic.complete_all();
-    assert_eq!(fx.poll_noop(&mut first), Poll::Ready(Ok(())));
-    for p in &mut queued {
-        assert_eq!(fx.poll_noop(p), Poll::Ready(Ok(())), "covered by the last");
-    }
-    assert_eq!(fx.held(), 0);
+    complete_and_take(&mut fx, std::iter::once(&mut first).chain(&mut queued));
 }
 
 #[test]

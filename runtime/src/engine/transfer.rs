@@ -616,7 +616,8 @@ async fn flush_queue(inner: Rc<Inner>, conn: ConnId) {
         if posted {
             let _ = reap_until(&inner, &mut core, 1, |_| Poll::<()>::Pending);
         }
-        let waiting = !core.activity().idle || inner.cq_failed.get();
+        // A signaled request still outstanding (on any connection) needs the progress task.
+        let waiting = core.awaits_completion() || inner.cq_failed.get();
         drop(core);
         if waiting {
             inner.kick_progress();
