@@ -90,10 +90,15 @@ fn first_wave_32_tasks_to_a_just_loaded_peer_share_one_setup_per_side_and_all_la
         .load_remote_metadata(&a.local_metadata("wave-b").unwrap())
         .unwrap();
     assert!(!a.is_connected(&peer_b) && !b.is_connected(&peer_a));
+    // Every task starts its transfer at once: spawning 64 threads one by one on a loaded
+    // 2-vCPU guest could otherwise take longer than the set-up itself, and the later tasks would
+    // only find the connection made (no sharing to show).
+    let start = std::sync::Barrier::new(2 * TASKS as usize);
     let t0 = Instant::now();
     let results: Vec<(String, Result<Duration, String>)> = std::thread::scope(|s| {
         let mut handles = Vec::new();
         let mut first = 0;
+        let start = &start;
         for &n in &sizes {
             // Both agents read from each other at once, each task its own blocks.
             for (me, peer, dst, src_id) in [
@@ -102,6 +107,7 @@ fn first_wave_32_tasks_to_a_just_loaded_peer_share_one_setup_per_side_and_all_la
             ] {
                 let (l, r) = scattered(dst, src_id, first, n, BLOCK);
                 handles.push(s.spawn(move || {
+                    start.wait();
                     let t = Instant::now();
                     let opts = CallOptions::new().timeout(Duration::from_secs(20));
                     let r = block_on(me.transfer_with(peer, rixl::runtime::Op::Read, &l, &r, opts))
