@@ -454,7 +454,7 @@ impl<Q: SendQueue> Core<Q> {
 
     /// Whether anything awaits a completion or a message.
     pub fn activity(&self) -> Activity {
-        let mut idle = self.inflight.signaled_outstanding() == 0;
+        let mut idle = !self.awaits_completion();
         let mut waiting_recv = false;
         for (_, c) in self.conns.iter() {
             idle &= c.credits.is_idle();

@@ -169,8 +169,7 @@ impl<Q: SendQueue> Core<Q> {
                     last: i + 1 == n,
                     count: if i == 0 { n } else { 0 },
                 });
-                let queued = self.enqueue(p.conn, wrs);
-                self.settle_queued(p, queued);
+                p.queued |= self.enqueue(p.conn, p.slot, wrs);
                 return Poll::Ready(());
             }
         }
@@ -322,32 +321,27 @@ impl<Q: SendQueue> Core<Q> {
         }
     }
 
-    /// Queues a transfer's requests `wrs` for `conn`'s coalesced post, if the connection is
-    /// ready.
+    /// Queues the requests `wrs` of `slot` for `conn`'s coalesced post; whether they were
+    /// queued. If the connection is unknown or not ready, ends the slot with that error instead.
     fn enqueue(
         &mut self,
         conn: ConnId,
+        slot: SlotId,
         wrs: impl IntoIterator<Item = QueuedWr>,
-    ) -> Result<(), TransferError> {
-        let c = self
-            .conns
-            .get_mut(conn.0 as usize)
-            .ok_or_else(|| unknown(conn.0))?;
-        c.check_ready(conn.0)?;
-        c.pending.extend(wrs);
-        Ok(())
-    }
-
-    /// Marks `p` queued, or ends its slot with the error that kept it out of the queue.
-    fn settle_queued(&mut self, p: &mut Posting, queued: Result<(), TransferError>) {
-        match queued {
+    ) -> bool {
+        let ready = match self.conns.get_mut(conn.0 as usize) {
+            None => Err(unknown(conn.0)),
+            Some(c) => c.check_ready(conn.0).map(|()| c.pending.extend(wrs)),
+        };
+        match ready {
             Ok(()) => {
-                p.queued = true;
                 self.counters.queued += 1;
+                true
             }
             Err(e) => {
-                self.inflight.fail(p.slot, e);
-                self.inflight.end_posting(p.slot);
+                self.inflight.fail(slot, e);
+                self.inflight.end_posting(slot);
+                false
             }
         }
     }
@@ -506,8 +500,9 @@ impl<Q: SendQueue> Core<Q> {
         let mut p = self.begin(conn, op_kind(op), keep, &TransferOptions::default());
         p.started = true;
         p.posted = true;
-        let queued = self.enqueue(
+        p.queued |= self.enqueue(
             conn,
+            p.slot,
             [QueuedWr {
                 slot: p.slot,
                 op,
@@ -517,7 +512,6 @@ impl<Q: SendQueue> Core<Q> {
                 count: 1,
             }],
         );
-        self.settle_queued(&mut p, queued);
         p
     }
 
