@@ -135,6 +135,12 @@ pub enum TransferError {
     /// next transfers run as usual (a failed connection is replaced).
     #[error("a task on the engine's core panicked: {0}")]
     EnginePanic(String),
+    /// The engine's core did not answer a call from another thread within the call's deadline
+    /// plus the engine's `stall_timeout` (this long in all): the core has stopped running. The
+    /// call gave up; what it had posted stays in the in-flight table, with its memory, until
+    /// the core runs again and the NIC is done.
+    #[error("the engine's core did not answer within {0:?}: it has stalled")]
+    EngineStalled(Duration),
     /// A FILE-tier transfer failed.
     #[error(transparent)]
     File(#[from] FileError),
@@ -310,4 +316,8 @@ pub enum FileError {
     /// The task serving this call on the engine's core panicked; the engine carries on.
     #[error("a task on the engine's core panicked: {0}")]
     EnginePanic(String),
+    /// The engine's core did not answer within the call's deadline plus the engine's
+    /// `stall_timeout` (this long in all): the core has stopped running.
+    #[error("the engine's core did not answer within {0:?}: it has stalled")]
+    EngineStalled(Duration),
 }

@@ -42,6 +42,11 @@ pub enum RuntimeError {
     /// The task serving this call on the engine's core panicked; the engine carries on.
     #[error("a task on the engine's core panicked: {0}")]
     EnginePanic(String),
+    /// The engine's core did not answer a call from another thread within the engine's
+    /// `stall_timeout` (plus the call's own deadline, if it has one; this long in all): the
+    /// core has stopped running.
+    #[error("the engine's core did not answer within {0:?}: it has stalled")]
+    EngineStalled(std::time::Duration),
     /// A FILE-tier registration failed.
     #[error(transparent)]
     File(#[from] FileError),

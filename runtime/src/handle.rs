@@ -55,6 +55,14 @@ enum Lost {
     Gone,
     /// The job panicked (its message).
     Panicked(String),
+    /// The core did not answer within the caller's bound (see [`bound`]).
+    Stalled(Duration),
+}
+
+impl From<bound::Stalled> for Lost {
+    fn from(s: bound::Stalled) -> Self {
+        Lost::Stalled(s.0)
+    }
 }
 
 impl From<Lost> for TransferError {
@@ -62,6 +70,7 @@ impl From<Lost> for TransferError {
         match l {
             Lost::Gone => TransferError::EngineGone,
             Lost::Panicked(m) => TransferError::EnginePanic(m),
+            Lost::Stalled(d) => TransferError::EngineStalled(d),
         }
     }
 }
@@ -71,6 +80,7 @@ impl From<Lost> for RuntimeError {
         match l {
             Lost::Gone => RuntimeError::EngineGone,
             Lost::Panicked(m) => RuntimeError::EnginePanic(m),
+            Lost::Stalled(d) => RuntimeError::EngineStalled(d),
         }
     }
 }
@@ -80,6 +90,7 @@ impl From<Lost> for FileError {
         match l {
             Lost::Gone => FileError::EngineGone,
             Lost::Panicked(m) => FileError::EnginePanic(m),
+            Lost::Stalled(d) => FileError::EngineStalled(d),
         }
     }
 }
@@ -95,6 +106,7 @@ fn lost_transfer(l: Lost, descriptors: usize) -> TransferFailure {
     match l {
         Lost::Gone => TransferFailure::before_posting(TransferError::EngineGone, descriptors),
         Lost::Panicked(m) => TransferFailure::unknown(TransferError::EnginePanic(m), descriptors),
+        Lost::Stalled(d) => TransferFailure::unknown(TransferError::EngineStalled(d), descriptors),
     }
 }
 
@@ -121,6 +133,10 @@ pub struct EngineHandle {
     hand_offs: Arc<local::HandOffs>,
     /// `EngineConfig::reply_spin`.
     reply_spin: Duration,
+    /// `EngineConfig::stall_timeout`.
+    stall_timeout: Duration,
+    /// `EngineConfig::transfer_timeout`.
+    transfer_timeout: Duration,
 }
 
 impl std::fmt::Debug for Command {
@@ -132,6 +148,7 @@ impl std::fmt::Debug for Command {
     }
 }
 
+mod bound;
 mod gpu;
 mod local;
 mod serve;
@@ -142,9 +159,27 @@ pub use local::HandOffCounters;
 
 impl EngineHandle {
     /// Runs `job` as a task on the engine's core and returns its output, or why there is none:
-    /// the engine is gone (the job, and what it owns, is dropped then) or the job panicked
-    /// (contained: see [`crate::supervise`]).
+    /// the engine is gone (the job, and what it owns, is dropped then), the job panicked
+    /// (contained: see [`crate::supervise`]) or the core did not answer within
+    /// `EngineConfig::stall_timeout`.
     async fn on_core<T, F, Fut>(&self, job: F) -> Result<T, Lost>
+    where
+        T: Send + 'static,
+        F: FnOnce(Served) -> Fut + Send + 'static,
+        Fut: Future<Output = T> + 'static,
+    {
+        self.on_core_within(Some(Duration::ZERO), job).await
+    }
+
+    /// How long a caller on another thread waits for the core's answer to a call whose own
+    /// deadline is `deadline` (`None`: a call with no deadline, such as a receive, which waits
+    /// for as long as it takes): the deadline plus `EngineConfig::stall_timeout`.
+    fn bound(&self, deadline: Option<Duration>) -> Option<Duration> {
+        deadline.map(|d| d.saturating_add(self.stall_timeout))
+    }
+
+    /// [`Self::on_core`] for a call whose own deadline is `deadline` (see [`Self::bound`]).
+    async fn on_core_within<T, F, Fut>(&self, deadline: Option<Duration>, job: F) -> Result<T, Lost>
     where
         T: Send + 'static,
         F: FnOnce(Served) -> Fut + Send + 'static,
@@ -161,11 +196,11 @@ impl EngineHandle {
             })
             .detach();
         });
-        self.start(run)?;
-        rx.await.map_err(|_| Lost::Gone)?
+        let bound = self.start(run)?.then(|| self.bound(deadline)).flatten();
+        bound::bounded(rx, bound).await?.map_err(|_| Lost::Gone)?
     }
 
-    /// As [`Self::on_core`], but the job is cancelled when the caller goes away first: once this
+    /// As [`Self::on_core_within`], but the job is cancelled when the caller goes away first: once this
     /// future is dropped, the job's future is dropped on the core at its next turn (a transfer's
     /// slot is then detached: requests not yet posted never are, posted ones drain, and the
     /// in-flight table keeps the memory until they have). A job whose caller is already gone
@@ -175,7 +210,12 @@ impl EngineHandle {
     /// completions the engine's progress loop or the transfer itself polls. With a busy-polled
     /// engine such a job needs nothing from the core's reactor, so the serving task may spin for
     /// the next call while it runs.
-    async fn on_core_or_cancel<T, F, Fut>(&self, rdma_only: bool, job: F) -> Result<T, Lost>
+    async fn on_core_or_cancel<T, F, Fut>(
+        &self,
+        rdma_only: bool,
+        deadline: Option<Duration>,
+        job: F,
+    ) -> Result<T, Lost>
     where
         T: Send + 'static,
         F: FnOnce(Served) -> Fut + Send + 'static,
@@ -208,8 +248,8 @@ impl EngineHandle {
             })
             .detach();
         });
-        self.start(run)?;
-        rx.await.map_err(|_| Lost::Gone)?
+        let bound = self.start(run)?.then(|| self.bound(deadline)).flatten();
+        bound::bounded(rx, bound).await?.map_err(|_| Lost::Gone)?
     }
 
     /// The engine's id.
@@ -262,8 +302,8 @@ impl EngineHandle {
         descs: Vec<FileDesc>,
         timeout: Option<Duration>,
     ) -> Result<TransferStats, TransferError> {
-        self.on_core(move |s| async move {
-            let timeout = timeout.unwrap_or(s.cfg.transfer_timeout);
+        let timeout = timeout.unwrap_or(self.transfer_timeout);
+        self.on_core_within(Some(timeout), move |s| async move {
             s.files.transfer(file, op, local, &descs, timeout).await
         })
         .await
@@ -282,8 +322,8 @@ impl EngineHandle {
         descs: Vec<FileDesc>,
         timeout: Option<Duration>,
     ) -> Result<TransferStats, TransferError> {
-        self.on_core(move |s| async move {
-            let timeout = timeout.unwrap_or(s.cfg.transfer_timeout);
+        let timeout = timeout.unwrap_or(self.transfer_timeout);
+        self.on_core_within(Some(timeout), move |s| async move {
             s.files.write_bytes(file, data, &descs, timeout).await
         })
         .await
@@ -301,8 +341,8 @@ impl EngineHandle {
         descs: Vec<FileDesc>,
         timeout: Option<Duration>,
     ) -> Result<(TransferStats, Vec<u8>), TransferError> {
-        self.on_core(move |s| async move {
-            let timeout = timeout.unwrap_or(s.cfg.transfer_timeout);
+        let timeout = timeout.unwrap_or(self.transfer_timeout);
+        self.on_core_within(Some(timeout), move |s| async move {
             s.files.read_bytes(file, &descs, timeout).await
         })
         .await
@@ -325,13 +365,15 @@ impl EngineHandle {
         let pending = stream.copy_all(copies)?;
         // If the engine is gone, the job (and the copies in it) is dropped here, and dropping
         // waits for the GPU before their memory can go.
-        self.on_core(move |s| crate::gpu::wait_copy_for(pending, s.cfg.transfer_timeout))
-            .await
-            .unwrap_or_else(|l| {
-                Err(rixl_nvlink::ipc::IpcError::Gpu(
-                    rixl_gpudirect::Error::InvalidArgument(RuntimeError::from(l).to_string()),
-                ))
-            })
+        self.on_core_within(Some(self.transfer_timeout), move |s| {
+            crate::gpu::wait_copy_for(pending, s.cfg.transfer_timeout)
+        })
+        .await
+        .unwrap_or_else(|l| {
+            Err(rixl_nvlink::ipc::IpcError::Gpu(
+                rixl_gpudirect::Error::InvalidArgument(RuntimeError::from(l).to_string()),
+            ))
+        })
     }
 
     /// The FILE tier's counters.
@@ -478,7 +520,8 @@ impl EngineHandle {
         remote: RemoteDescList,
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferFailure> {
-        self.on_rdma(local.len(), move |e| async move {
+        let deadline = opts.timeout.unwrap_or(self.transfer_timeout);
+        self.on_rdma(local.len(), deadline, move |e| async move {
             e.transfer_ranges(conn, op, &local, &remote, opts).await
         })
         .await
@@ -566,25 +609,27 @@ impl EngineHandle {
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferFailure> {
         let prepared = Arc::clone(prepared);
-        self.on_rdma(prepared.descriptors(), move |e| async move {
+        let deadline = opts.timeout.unwrap_or(self.transfer_timeout);
+        self.on_rdma(prepared.descriptors(), deadline, move |e| async move {
             e.post_ranges(&prepared, opts).await
         })
         .await
     }
 
-    /// Runs an RDMA transfer or post of `descriptors` descriptors on the engine's core
-    /// (cancelled with the caller's future): a core without a NIC answers `NoNic` before
-    /// posting, and a lost job names what is known of its progress.
+    /// Runs an RDMA transfer or post of `descriptors` descriptors, whose deadline is
+    /// `deadline`, on the engine's core (cancelled with the caller's future): a core without a
+    /// NIC answers `NoNic` before posting, and a lost job names what is known of its progress.
     async fn on_rdma<F, Fut>(
         &self,
         descriptors: usize,
+        deadline: Duration,
         f: F,
     ) -> Result<TransferStats, TransferFailure>
     where
         F: FnOnce(Engine) -> Fut + Send + 'static,
         Fut: Future<Output = Result<TransferStats, TransferFailure>> + 'static,
     {
-        self.on_core_or_cancel(true, move |s| async move {
+        self.on_core_or_cancel(true, Some(deadline), move |s| async move {
             match s.engine {
                 Some(e) => f(e).await,
                 None => Err(TransferFailure::before_posting(
@@ -607,9 +652,9 @@ impl EngineHandle {
         msg: Vec<u8>,
         imm: Option<u32>,
     ) -> Result<(), TransferError> {
-        self.on_core(
-            move |s| async move { s.rdma(TransferError::NoNic)?.send(conn, &msg, imm).await },
-        )
+        self.on_core_within(Some(self.transfer_timeout), move |s| async move {
+            s.rdma(TransferError::NoNic)?.send(conn, &msg, imm).await
+        })
         .await
         .unwrap_or_else(lost)
     }
@@ -626,7 +671,7 @@ impl EngineHandle {
         len: u64,
         imm: Option<u32>,
     ) -> Result<(), TransferError> {
-        self.on_core(move |s| async move {
+        self.on_core_within(Some(self.transfer_timeout), move |s| async move {
             s.rdma(TransferError::NoNic)?
                 .send_from(conn, &region, offset, len, imm)
                 .await
@@ -640,9 +685,11 @@ impl EngineHandle {
     /// # Errors
     /// As [`Engine::recv`].
     pub async fn recv(&self, conn: ConnId) -> Result<Message, TransferError> {
-        self.on_core(move |s| async move { s.rdma(TransferError::NoNic)?.recv(conn).await })
-            .await
-            .unwrap_or_else(lost)
+        self.on_core_within(None, move |s| async move {
+            s.rdma(TransferError::NoNic)?.recv(conn).await
+        })
+        .await
+        .unwrap_or_else(lost)
     }
 
     /// The engine's counters and its live in-flight slots.
@@ -688,11 +735,16 @@ impl EngineHandle {
     }
 
     /// Stops the core's service: closes its files, shuts the engine down (flushing in-flight
-    /// work) and ends the serving task. Returns once that is done (at once if it already was).
-    pub(crate) async fn shutdown(&self) {
+    /// work) and ends the serving task. Returns once that is done (at once if it already was):
+    /// `true`; `false` if the core did not finish within `stall_timeout` plus the time a
+    /// connection's close may take ([`crate::engine::CLOSE_GRACE`] and
+    /// [`crate::engine::FLUSH_GRACE`]).
+    pub(crate) async fn shutdown(&self) -> bool {
         let (tx, rx) = oneshot::channel();
-        if self.tx.unbounded_send(Command::Shutdown(tx)).is_ok() {
-            let _ = rx.await;
+        if self.tx.unbounded_send(Command::Shutdown(tx)).is_err() {
+            return true;
         }
+        let close = crate::engine::CLOSE_GRACE + crate::engine::FLUSH_GRACE;
+        bound::bounded(rx, self.bound(Some(close))).await.is_ok()
     }
 }

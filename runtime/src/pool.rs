@@ -1,5 +1,6 @@
 //! A pool of engines pinned one per CPU, each on its own glommio executor thread.
 
+use std::sync::mpsc::RecvTimeoutError;
 use std::thread;
 
 use glommio::{LocalExecutorBuilder, Placement};
@@ -36,6 +37,7 @@ impl EnginePool {
             handles: Vec::new(),
             joins: Vec::new(),
         };
+        let stall = cfg.stall_timeout;
         for (i, &cpu) in cpus.iter().enumerate() {
             let (ready_tx, ready_rx) = std::sync::mpsc::channel();
             let cfg = cfg.clone();
@@ -68,18 +70,29 @@ impl EnginePool {
                     }
                 })
                 .map_err(|e| RuntimeError::Executor(e.to_string()))?;
-            pool.joins.push(join);
-            match ready_rx.recv() {
-                Ok(Ok(h)) => pool.handles.push(h),
-                Ok(Err(e)) => {
+            let started = match ready_rx.recv_timeout(stall) {
+                Ok(Ok(h)) => Ok(h),
+                Ok(Err(e)) => Err(e),
+                Err(RecvTimeoutError::Timeout) => {
+                    // Its thread is left to itself (not joined): it may never end.
+                    tracing::error!(cpu, "the engine did not start within stall_timeout");
+                    pool.shutdown_inner();
+                    return Err(RuntimeError::EngineStalled(stall));
+                }
+                Err(RecvTimeoutError::Disconnected) => Err(RuntimeError::Executor(format!(
+                    "executor on CPU {cpu} died while starting"
+                ))),
+            };
+            match started {
+                Ok(h) => {
+                    pool.handles.push(h);
+                    pool.joins.push(join);
+                }
+                Err(e) => {
+                    // The thread has answered (or died): it ends now.
+                    let _ = join.join();
                     pool.shutdown_inner();
                     return Err(e);
-                }
-                Err(_) => {
-                    pool.shutdown_inner();
-                    return Err(RuntimeError::Executor(format!(
-                        "executor on CPU {cpu} died while starting"
-                    )));
                 }
             }
         }
@@ -92,11 +105,16 @@ impl EnginePool {
     }
 
     fn shutdown_inner(&mut self) {
-        for h in self.handles.drain(..) {
-            futures_lite::future::block_on(h.shutdown());
-        }
-        for j in self.joins.drain(..) {
-            let _ = j.join();
+        for (h, j) in self.handles.drain(..).zip(self.joins.drain(..)) {
+            if futures_lite::future::block_on(h.shutdown()) {
+                let _ = j.join();
+            } else {
+                // A stalled core: its thread is left to itself rather than hanging the caller.
+                tracing::error!(
+                    engine = h.id(),
+                    "the engine's core did not shut down in time; its thread is not joined"
+                );
+            }
         }
     }
 

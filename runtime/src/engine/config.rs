@@ -48,6 +48,13 @@ pub struct EngineConfig {
     pub poll_mode: PollMode,
     /// Default deadline of a transfer.
     pub transfer_timeout: Duration,
+    /// How much longer than a call's own deadline (a transfer's, a FILE-tier I/O's) a caller
+    /// on another thread waits for the engine's core to answer, and how long it waits for a
+    /// call without a deadline of its own (a registration, a connection step, counters), before
+    /// the call ends with `EngineStalled`: a core that stops running (a job blocking its
+    /// thread) turns into a typed error instead of a hang. Receives wait without it. Calls made
+    /// on the core itself are not bounded (they stop with it).
+    pub stall_timeout: Duration,
     /// Busy mode: how many empty polls after the last activity the engine keeps spinning for
     /// awaited receives before it falls back to polling every 200 µs.
     pub recv_spin_polls: u32,
@@ -110,6 +117,7 @@ impl Default for EngineConfig {
             max_inline: 220,
             poll_mode: PollMode::Busy,
             transfer_timeout: Duration::from_secs(30),
+            stall_timeout: Duration::from_secs(60),
             recv_spin_polls: 50_000,
             spin_polls: 256,
             timing: false,

@@ -40,6 +40,11 @@ use nic::VerbsQueue;
 /// How long [`Engine::close_connection`] lets posted work finish before failing the connection.
 pub const CLOSE_GRACE: Duration = Duration::from_secs(1);
 
+/// How long [`Engine::close_connection`] waits, once it has failed the connection, for the NIC
+/// to flush what is left. A NIC that flushes nothing in that time leaves the connection in
+/// place (failed, its memory kept by the in-flight table) rather than hanging the close.
+pub const FLUSH_GRACE: Duration = Duration::from_secs(10);
+
 /// Send-message slots of the engine's registered message pool.
 const MESSAGE_SLOTS: u32 = 64;
 
@@ -451,29 +456,42 @@ impl Engine {
 
     /// Closes a connection gracefully: work already posted gets up to [`CLOSE_GRACE`] to
     /// complete, then the connection is failed (the QP flushes what is left), and once nothing of
-    /// it is in flight its queue pair is destroyed.
+    /// it is in flight its queue pair is destroyed. A NIC that has not flushed within
+    /// [`FLUSH_GRACE`] after that leaves the failed connection in place (logged), with its
+    /// in-flight memory still held.
     pub async fn close_connection(&self, conn: ConnId) {
-        let drained = futures_lite::future::or(
-            async {
-                self.wait_idle(conn).await;
-                true
-            },
-            async {
-                glommio::timer::Timer::new(CLOSE_GRACE).await;
-                false
-            },
-        )
-        .await;
-        if !drained {
+        if !self.wait_idle_within(conn, CLOSE_GRACE).await {
             tracing::debug!(
                 conn = conn.0,
                 "close: work still in flight after the grace period"
             );
         }
         self.abort_connection(conn, "closed");
-        self.wait_idle(conn).await;
+        if !self.wait_idle_within(conn, FLUSH_GRACE).await {
+            tracing::error!(
+                conn = conn.0,
+                "close: the NIC has not flushed the failed connection's work; it stays in place"
+            );
+            return;
+        }
         let queue = self.inner.core.borrow_mut().remove_connection(conn);
         drop(queue);
+    }
+
+    /// Waits up to `limit` until no work request of `conn` awaits completion; whether it came
+    /// to that.
+    async fn wait_idle_within(&self, conn: ConnId, limit: Duration) -> bool {
+        futures_lite::future::or(
+            async {
+                self.wait_idle(conn).await;
+                true
+            },
+            async {
+                glommio::timer::Timer::new(limit).await;
+                false
+            },
+        )
+        .await
     }
 
     /// Waits until no work request of `conn` awaits completion.

@@ -143,17 +143,19 @@ fn served_here(id: u64) -> Option<Served> {
 }
 
 impl EngineHandle {
-    /// Starts `job` on the engine's core: at once when called there, else sent over the
-    /// core's channel.
-    pub(super) fn start(&self, job: Job) -> Result<(), Lost> {
+    /// Starts `job` on the engine's core: at once when called there (`Ok(false)`), else sent
+    /// over the core's channel (`Ok(true)`: the caller then bounds its wait, see
+    /// [`super::bound`]; a task on the core itself stops with the core).
+    pub(super) fn start(&self, job: Job) -> Result<bool, Lost> {
         if let Some(served) = served_here(self.id) {
             self.hand_offs.on_core.fetch_add(1, Ordering::Relaxed);
             run_job(&served, job);
-            return Ok(());
+            return Ok(false);
         }
         self.hand_offs.sent.fetch_add(1, Ordering::Relaxed);
         self.tx
             .unbounded_send(super::Command::Run(job))
+            .map(|()| true)
             .map_err(|_| Lost::Gone)
     }
 
@@ -185,7 +187,7 @@ impl EngineHandle {
         F: FnOnce() -> Fut + Send + 'static,
         Fut: Future<Output = T> + 'static,
     {
-        self.on_core_or_cancel(false, move |_| f())
+        self.on_core_or_cancel(false, None, move |_| f())
             .await
             .map_err(RuntimeError::from)
     }
@@ -212,33 +214,41 @@ impl EngineHandle {
         let mut call = std::pin::pin!(call);
         let mut first = true;
         std::future::poll_fn(move |cx| {
-            if let Poll::Ready(v) = call.as_mut().poll(cx) {
-                return Poll::Ready(v);
-            }
             if !std::mem::take(&mut first)
                 || self.reply_spin.is_zero()
                 || on_an_engine_core()
                 || !self.hand_offs.spin_for_reply()
             {
-                return Poll::Pending;
+                return call.as_mut().poll(cx);
             }
-            let start = Instant::now();
-            loop {
-                for _ in 0..POLLS_PER_CLOCK_READ {
-                    std::hint::spin_loop();
-                    if let Poll::Ready(v) = call.as_mut().poll(cx) {
-                        // A reply caught only after the window (this thread was taken off
-                        // its CPU mid-spin, or shares it with the core) did not pay: it
-                        // counts as a miss.
-                        self.hand_offs
-                            .spun(start.elapsed() <= self.reply_spin.saturating_mul(2));
-                        return Poll::Ready(v);
+            // The call does not wait while it spins: it arms no bound (see `bound`).
+            let spun = super::bound::deferring(|| {
+                if let Poll::Ready(v) = call.as_mut().poll(cx) {
+                    return Some(v);
+                }
+                let start = Instant::now();
+                loop {
+                    for _ in 0..POLLS_PER_CLOCK_READ {
+                        std::hint::spin_loop();
+                        if let Poll::Ready(v) = call.as_mut().poll(cx) {
+                            // A reply caught only after the window (this thread was taken off
+                            // its CPU mid-spin, or shares it with the core) did not pay: it
+                            // counts as a miss.
+                            self.hand_offs
+                                .spun(start.elapsed() <= self.reply_spin.saturating_mul(2));
+                            return Some(v);
+                        }
+                    }
+                    if start.elapsed() >= self.reply_spin {
+                        self.hand_offs.spun(false);
+                        return None;
                     }
                 }
-                if start.elapsed() >= self.reply_spin {
-                    self.hand_offs.spun(false);
-                    return Poll::Pending;
-                }
+            });
+            match spun {
+                Some(v) => Poll::Ready(v),
+                // Now it waits: this poll arms its bounds.
+                None => call.as_mut().poll(cx),
             }
         })
         .await

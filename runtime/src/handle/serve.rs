@@ -61,6 +61,8 @@ pub(crate) fn serve_core(
         device: engine.as_ref().map(|e| Arc::from(e.device_name().as_str())),
         hand_offs: Arc::default(),
         reply_spin: cfg.reply_spin,
+        stall_timeout: cfg.stall_timeout,
+        transfer_timeout: cfg.transfer_timeout,
     };
     let served = Served {
         files: Rc::new(FileStore::new(cfg.file)),
