@@ -209,22 +209,34 @@ fn caller_owned_bad_memory_gets_typed_errors_and_nothing_is_registered() {
     // Zero length is refused before anything reaches the NIC.
     assert!(HostBuffer::from_vec(Vec::new()).is_err());
     assert!(HostBuffer::from_boxed(Vec::new().into_boxed_slice()).is_err());
-    // An unmapped range: mapped, then unmapped, then offered by pointer.
-    let mut gone = MmapMut::map_anon(1 << 20).expect("map");
-    let ptr = gone.as_mut_ptr();
-    drop(gone);
-    // SAFETY: deliberately violates the contract's "mapped" part to check the NIC's refusal;
-    // nothing reads or writes the range.
+    // A range the process may not touch: mapped with no access rights, then offered by
+    // pointer. (Not an unmapped range: another thread's mapping, such as a new thread's stack,
+    // may take its place before the registration.)
+    // SAFETY: a fresh private anonymous mapping, no address requested; unmapped below.
+    let ptr = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            1 << 20,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(ptr, libc::MAP_FAILED, "mmap");
+    let ptr = ptr.cast::<u8>();
+    // SAFETY: deliberately violates the contract's "accessible" part to check the NIC's
+    // refusal; nothing reads or writes the range.
     let unmapped = unsafe { HostBuffer::from_raw(ptr, 1 << 20) }.unwrap();
     match block_on(p.owner.register_host(unmapped, Visibility::All)) {
         Err(AgentError::BadMemory { source, .. }) => {
             assert_eq!(
                 source.raw_os_error(),
                 Some(libc_efault()),
-                "unmapped: {source}"
+                "inaccessible: {source}"
             );
         }
-        other => panic!("unmapped memory: {other:?}"),
+        other => panic!("inaccessible memory: {other:?}"),
     }
     // Read-only memory cannot be registered for the writes every registration allows.
     let ro = MmapMut::map_anon(1 << 20)
@@ -241,15 +253,17 @@ fn caller_owned_bad_memory_gets_typed_errors_and_nothing_is_registered() {
     drop(ro);
     assert_eq!(p.owner.registration_counters().made, 0);
     assert!(p.owner.query_memory(ptr as u64, 4096).is_none());
+    // SAFETY: the mapping made above, refused by the NIC and not referenced since.
+    assert_eq!(unsafe { libc::munmap(ptr.cast(), 1 << 20) }, 0);
     report(&format!(
-        "caller_owned: unmapped and read-only memory refused ({err})"
+        "caller_owned: inaccessible and read-only memory refused ({err})"
     ));
     p.shutdown();
 }
 
-/// `EFAULT` on Linux (what `ibv_reg_mr` gives for an unmapped range).
+/// What `ibv_reg_mr` gives for a range it cannot pin.
 fn libc_efault() -> i32 {
-    14
+    libc::EFAULT
 }
 
 #[test]
