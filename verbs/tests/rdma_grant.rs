@@ -295,4 +295,10 @@ fn grant_invalidating_a_window_revokes_it_at_once_and_a_rebind_takes_a_new_key()
     rixl_testkit::report(&format!(
         "grant: invalidation completed in {inv_took:?}, then READ {revoked}; re-bind key {new:#x} (was {old:#x}); {n} bind+invalidate pairs, {per:?} each"
     ));
+    // A window bound on a queue pair holds a reference to it: destroying the queue pair first
+    // (locals drop in reverse order, and `srv2` came after `window`) makes rxe's destroy wait
+    // about 50 s for that reference before it warns and goes on. (rixl's `BoundWindow` keeps
+    // its queue pair and is deallocated first.)
+    drop(window);
+    drop(w4);
 }
