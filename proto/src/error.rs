@@ -135,11 +135,11 @@ pub enum TransferError {
     /// next transfers run as usual (a failed connection is replaced).
     #[error("a task on the engine's core panicked: {0}")]
     EnginePanic(String),
-    /// The engine's core did not answer a call from another thread within the call's deadline
-    /// plus the engine's `stall_timeout` (this long in all): the core has stopped running. The
-    /// call gave up; what it had posted stays in the in-flight table, with its memory, until
-    /// the core runs again and the NIC is done.
-    #[error("the engine's core did not answer within {0:?}: it has stalled")]
+    /// The engine's core stopped running (no heartbeat for the engine's `stall_timeout`, this
+    /// long) while a call from another thread waited on it. The call gave up; its job stays
+    /// queued on the core, and a transfer's is cancelled there if the core runs again (what it
+    /// had posted stays in the in-flight table, with its memory, until the NIC is done).
+    #[error("the engine's core stopped running (no heartbeat for {0:?})")]
     EngineStalled(Duration),
     /// A FILE-tier transfer failed.
     #[error(transparent)]
@@ -316,8 +316,8 @@ pub enum FileError {
     /// The task serving this call on the engine's core panicked; the engine carries on.
     #[error("a task on the engine's core panicked: {0}")]
     EnginePanic(String),
-    /// The engine's core did not answer within the call's deadline plus the engine's
-    /// `stall_timeout` (this long in all): the core has stopped running.
-    #[error("the engine's core did not answer within {0:?}: it has stalled")]
+    /// The engine's core stopped running (no heartbeat for the engine's `stall_timeout`, this
+    /// long) while a call from another thread waited on it.
+    #[error("the engine's core stopped running (no heartbeat for {0:?})")]
     EngineStalled(Duration),
 }

@@ -42,10 +42,10 @@ pub enum RuntimeError {
     /// The task serving this call on the engine's core panicked; the engine carries on.
     #[error("a task on the engine's core panicked: {0}")]
     EnginePanic(String),
-    /// The engine's core did not answer a call from another thread within the engine's
-    /// `stall_timeout` (plus the call's own deadline, if it has one; this long in all): the
-    /// core has stopped running.
-    #[error("the engine's core did not answer within {0:?}: it has stalled")]
+    /// The engine's core stopped running (no heartbeat for the engine's `stall_timeout`, this
+    /// long) while a call from another thread waited on it, or an engine did not start within
+    /// it.
+    #[error("the engine's core stopped running (no heartbeat for {0:?})")]
     EngineStalled(std::time::Duration),
     /// A FILE-tier registration failed.
     #[error(transparent)]

@@ -133,10 +133,8 @@ pub struct EngineHandle {
     hand_offs: Arc<local::HandOffs>,
     /// `EngineConfig::reply_spin`.
     reply_spin: Duration,
-    /// `EngineConfig::stall_timeout`.
-    stall_timeout: Duration,
-    /// `EngineConfig::transfer_timeout`.
-    transfer_timeout: Duration,
+    /// The core's heartbeat, which bounds the wait of calls from other threads.
+    liveness: Arc<bound::Liveness>,
 }
 
 impl std::fmt::Debug for Command {
@@ -160,26 +158,10 @@ pub use local::HandOffCounters;
 impl EngineHandle {
     /// Runs `job` as a task on the engine's core and returns its output, or why there is none:
     /// the engine is gone (the job, and what it owns, is dropped then), the job panicked
-    /// (contained: see [`crate::supervise`]) or the core did not answer within
-    /// `EngineConfig::stall_timeout`.
+    /// (contained: see [`crate::supervise`]) or, for a caller on another thread, the core
+    /// stopped running for `EngineConfig::stall_timeout` (see [`bound`]; the job stays queued
+    /// and runs if the core does again).
     async fn on_core<T, F, Fut>(&self, job: F) -> Result<T, Lost>
-    where
-        T: Send + 'static,
-        F: FnOnce(Served) -> Fut + Send + 'static,
-        Fut: Future<Output = T> + 'static,
-    {
-        self.on_core_within(Some(Duration::ZERO), job).await
-    }
-
-    /// How long a caller on another thread waits for the core's answer to a call whose own
-    /// deadline is `deadline` (`None`: a call with no deadline, such as a receive, which waits
-    /// for as long as it takes): the deadline plus `EngineConfig::stall_timeout`.
-    fn bound(&self, deadline: Option<Duration>) -> Option<Duration> {
-        deadline.map(|d| d.saturating_add(self.stall_timeout))
-    }
-
-    /// [`Self::on_core`] for a call whose own deadline is `deadline` (see [`Self::bound`]).
-    async fn on_core_within<T, F, Fut>(&self, deadline: Option<Duration>, job: F) -> Result<T, Lost>
     where
         T: Send + 'static,
         F: FnOnce(Served) -> Fut + Send + 'static,
@@ -196,11 +178,21 @@ impl EngineHandle {
             })
             .detach();
         });
-        let bound = self.start(run)?.then(|| self.bound(deadline)).flatten();
-        bound::bounded(rx, bound).await?.map_err(|_| Lost::Gone)?
+        self.reply(self.start(run)?, rx).await
     }
 
-    /// As [`Self::on_core_within`], but the job is cancelled when the caller goes away first: once this
+    /// Awaits a job's reply; `sent`: the job was sent from another thread, which bounds its
+    /// wait by the core's heartbeat (see [`bound`]).
+    async fn reply<T>(
+        &self,
+        sent: bool,
+        rx: oneshot::Receiver<Result<T, Lost>>,
+    ) -> Result<T, Lost> {
+        let core = sent.then_some(&self.liveness);
+        bound::bounded(rx, core).await?.map_err(|_| Lost::Gone)?
+    }
+
+    /// As [`Self::on_core`], but the job is cancelled when the caller goes away first: once this
     /// future is dropped, the job's future is dropped on the core at its next turn (a transfer's
     /// slot is then detached: requests not yet posted never are, posted ones drain, and the
     /// in-flight table keeps the memory until they have). A job whose caller is already gone
@@ -210,12 +202,7 @@ impl EngineHandle {
     /// completions the engine's progress loop or the transfer itself polls. With a busy-polled
     /// engine such a job needs nothing from the core's reactor, so the serving task may spin for
     /// the next call while it runs.
-    async fn on_core_or_cancel<T, F, Fut>(
-        &self,
-        rdma_only: bool,
-        deadline: Option<Duration>,
-        job: F,
-    ) -> Result<T, Lost>
+    async fn on_core_or_cancel<T, F, Fut>(&self, rdma_only: bool, job: F) -> Result<T, Lost>
     where
         T: Send + 'static,
         F: FnOnce(Served) -> Fut + Send + 'static,
@@ -248,8 +235,7 @@ impl EngineHandle {
             })
             .detach();
         });
-        let bound = self.start(run)?.then(|| self.bound(deadline)).flatten();
-        bound::bounded(rx, bound).await?.map_err(|_| Lost::Gone)?
+        self.reply(self.start(run)?, rx).await
     }
 
     /// The engine's id.
@@ -302,8 +288,8 @@ impl EngineHandle {
         descs: Vec<FileDesc>,
         timeout: Option<Duration>,
     ) -> Result<TransferStats, TransferError> {
-        let timeout = timeout.unwrap_or(self.transfer_timeout);
-        self.on_core_within(Some(timeout), move |s| async move {
+        self.on_core(move |s| async move {
+            let timeout = timeout.unwrap_or(s.cfg.transfer_timeout);
             s.files.transfer(file, op, local, &descs, timeout).await
         })
         .await
@@ -322,8 +308,8 @@ impl EngineHandle {
         descs: Vec<FileDesc>,
         timeout: Option<Duration>,
     ) -> Result<TransferStats, TransferError> {
-        let timeout = timeout.unwrap_or(self.transfer_timeout);
-        self.on_core_within(Some(timeout), move |s| async move {
+        self.on_core(move |s| async move {
+            let timeout = timeout.unwrap_or(s.cfg.transfer_timeout);
             s.files.write_bytes(file, data, &descs, timeout).await
         })
         .await
@@ -341,8 +327,8 @@ impl EngineHandle {
         descs: Vec<FileDesc>,
         timeout: Option<Duration>,
     ) -> Result<(TransferStats, Vec<u8>), TransferError> {
-        let timeout = timeout.unwrap_or(self.transfer_timeout);
-        self.on_core_within(Some(timeout), move |s| async move {
+        self.on_core(move |s| async move {
+            let timeout = timeout.unwrap_or(s.cfg.transfer_timeout);
             s.files.read_bytes(file, &descs, timeout).await
         })
         .await
@@ -365,15 +351,13 @@ impl EngineHandle {
         let pending = stream.copy_all(copies)?;
         // If the engine is gone, the job (and the copies in it) is dropped here, and dropping
         // waits for the GPU before their memory can go.
-        self.on_core_within(Some(self.transfer_timeout), move |s| {
-            crate::gpu::wait_copy_for(pending, s.cfg.transfer_timeout)
-        })
-        .await
-        .unwrap_or_else(|l| {
-            Err(rixl_nvlink::ipc::IpcError::Gpu(
-                rixl_gpudirect::Error::InvalidArgument(RuntimeError::from(l).to_string()),
-            ))
-        })
+        self.on_core(move |s| crate::gpu::wait_copy_for(pending, s.cfg.transfer_timeout))
+            .await
+            .unwrap_or_else(|l| {
+                Err(rixl_nvlink::ipc::IpcError::Gpu(
+                    rixl_gpudirect::Error::InvalidArgument(RuntimeError::from(l).to_string()),
+                ))
+            })
     }
 
     /// The FILE tier's counters.
@@ -520,8 +504,7 @@ impl EngineHandle {
         remote: RemoteDescList,
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferFailure> {
-        let deadline = opts.timeout.unwrap_or(self.transfer_timeout);
-        self.on_rdma(local.len(), deadline, move |e| async move {
+        self.on_rdma(local.len(), move |e| async move {
             e.transfer_ranges(conn, op, &local, &remote, opts).await
         })
         .await
@@ -609,27 +592,25 @@ impl EngineHandle {
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferFailure> {
         let prepared = Arc::clone(prepared);
-        let deadline = opts.timeout.unwrap_or(self.transfer_timeout);
-        self.on_rdma(prepared.descriptors(), deadline, move |e| async move {
+        self.on_rdma(prepared.descriptors(), move |e| async move {
             e.post_ranges(&prepared, opts).await
         })
         .await
     }
 
-    /// Runs an RDMA transfer or post of `descriptors` descriptors, whose deadline is
-    /// `deadline`, on the engine's core (cancelled with the caller's future): a core without a
-    /// NIC answers `NoNic` before posting, and a lost job names what is known of its progress.
+    /// Runs an RDMA transfer or post of `descriptors` descriptors on the engine's core
+    /// (cancelled with the caller's future): a core without a NIC answers `NoNic` before
+    /// posting, and a lost job names what is known of its progress.
     async fn on_rdma<F, Fut>(
         &self,
         descriptors: usize,
-        deadline: Duration,
         f: F,
     ) -> Result<TransferStats, TransferFailure>
     where
         F: FnOnce(Engine) -> Fut + Send + 'static,
         Fut: Future<Output = Result<TransferStats, TransferFailure>> + 'static,
     {
-        self.on_core_or_cancel(true, Some(deadline), move |s| async move {
+        self.on_core_or_cancel(true, move |s| async move {
             match s.engine {
                 Some(e) => f(e).await,
                 None => Err(TransferFailure::before_posting(
@@ -652,7 +633,9 @@ impl EngineHandle {
         msg: Vec<u8>,
         imm: Option<u32>,
     ) -> Result<(), TransferError> {
-        self.on_core_within(Some(self.transfer_timeout), move |s| async move {
+        // Cancelled with the caller: a send whose caller gave up (a stalled core) is not
+        // sent later.
+        self.on_core_or_cancel(false, move |s| async move {
             s.rdma(TransferError::NoNic)?.send(conn, &msg, imm).await
         })
         .await
@@ -671,7 +654,7 @@ impl EngineHandle {
         len: u64,
         imm: Option<u32>,
     ) -> Result<(), TransferError> {
-        self.on_core_within(Some(self.transfer_timeout), move |s| async move {
+        self.on_core_or_cancel(false, move |s| async move {
             s.rdma(TransferError::NoNic)?
                 .send_from(conn, &region, offset, len, imm)
                 .await
@@ -685,11 +668,9 @@ impl EngineHandle {
     /// # Errors
     /// As [`Engine::recv`].
     pub async fn recv(&self, conn: ConnId) -> Result<Message, TransferError> {
-        self.on_core_within(None, move |s| async move {
-            s.rdma(TransferError::NoNic)?.recv(conn).await
-        })
-        .await
-        .unwrap_or_else(lost)
+        self.on_core(move |s| async move { s.rdma(TransferError::NoNic)?.recv(conn).await })
+            .await
+            .unwrap_or_else(lost)
     }
 
     /// The engine's counters and its live in-flight slots.
@@ -716,11 +697,14 @@ impl EngineHandle {
             .map_err(RuntimeError::from)
     }
 
-    /// See [`Engine::connection_usable`] (false once the engine is gone).
-    pub async fn connection_usable(&self, conn: ConnId) -> bool {
+    /// See [`Engine::connection_usable`] (false on a core without a NIC).
+    ///
+    /// # Errors
+    /// [`RuntimeError::EngineGone`], [`RuntimeError::EngineStalled`]: the engine cannot tell.
+    pub async fn connection_usable(&self, conn: ConnId) -> Result<bool, RuntimeError> {
         self.on_core(move |s| async move { s.engine.is_some_and(|e| e.connection_usable(conn)) })
             .await
-            .unwrap_or(false)
+            .map_err(RuntimeError::from)
     }
 
     /// See [`Engine::close_connection`].
@@ -736,15 +720,12 @@ impl EngineHandle {
 
     /// Stops the core's service: closes its files, shuts the engine down (flushing in-flight
     /// work) and ends the serving task. Returns once that is done (at once if it already was):
-    /// `true`; `false` if the core did not finish within `stall_timeout` plus the time a
-    /// connection's close may take ([`crate::engine::CLOSE_GRACE`] and
-    /// [`crate::engine::FLUSH_GRACE`]).
+    /// `true`; `false` if the core stopped running for `stall_timeout` first (see [`bound`]).
     pub(crate) async fn shutdown(&self) -> bool {
         let (tx, rx) = oneshot::channel();
         if self.tx.unbounded_send(Command::Shutdown(tx)).is_err() {
             return true;
         }
-        let close = crate::engine::CLOSE_GRACE + crate::engine::FLUSH_GRACE;
-        bound::bounded(rx, self.bound(Some(close))).await.is_ok()
+        bound::bounded(rx, Some(&self.liveness)).await.is_ok()
     }
 }

@@ -362,12 +362,18 @@ impl Inner {
 
     /// Checks the connections a failed transfer used: each one the engine reports failed is
     /// removed from the peer (the next transfer sets up a new one, after fetching the peer's
-    /// metadata again) and closed.
+    /// metadata again) and closed. One whose engine cannot tell (it is gone, or its core has
+    /// stalled) is left as it is: closing it would only queue more work on that core.
     pub(crate) async fn retire_failed(&self, peer: &str, used: &[(usize, ConnId)]) {
         for &(rail, conn) in used {
             let engine = self.rails.engine(rail);
-            if engine.connection_usable(conn).await {
-                continue;
+            match engine.connection_usable(conn).await {
+                Ok(false) => {}
+                Ok(true) => continue,
+                Err(e) => {
+                    tracing::warn!(agent = %self.name, %peer, rail, conn = conn.0, error = %e, "a failed transfer's connection was not checked");
+                    continue;
+                }
             }
             if !self.remove_conn(peer, rail, conn) {
                 // Already retired by a concurrent transfer (or replaced).

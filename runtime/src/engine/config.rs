@@ -48,12 +48,12 @@ pub struct EngineConfig {
     pub poll_mode: PollMode,
     /// Default deadline of a transfer.
     pub transfer_timeout: Duration,
-    /// How much longer than a call's own deadline (a transfer's, a FILE-tier I/O's) a caller
-    /// on another thread waits for the engine's core to answer, and how long it waits for a
-    /// call without a deadline of its own (a registration, a connection step, counters), before
-    /// the call ends with `EngineStalled`: a core that stops running (a job blocking its
-    /// thread) turns into a typed error instead of a hang. Receives wait without it. Calls made
-    /// on the core itself are not bounded (they stop with it).
+    /// How long the engine's core may stop running (no heartbeat: its heartbeat task runs
+    /// every eighth of this, from 10 ms to 1 s) before a call from another thread waiting on
+    /// it ends with `EngineStalled`: a core that stops (a job blocking its thread, a reactor
+    /// that never wakes) turns into a typed error instead of a hang. A call that only takes
+    /// long on a running core (a large registration, a receive, a close) is not cut short.
+    /// Calls made on the core itself are not bounded (they stop with it).
     pub stall_timeout: Duration,
     /// Busy mode: how many empty polls after the last activity the engine keeps spinning for
     /// awaited receives before it falls back to polling every 200 µs.

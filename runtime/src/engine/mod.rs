@@ -510,10 +510,13 @@ impl Engine {
     /// Stops the engine: fails every connection, waits until the NIC has flushed all in-flight
     /// work, and ends the progress task. Regions stay valid (they belong to their handles).
     pub async fn shutdown(self) {
+        // Closed side by side: each may wait out its grace periods (a dead peer's work).
         let conns = self.inner.core.borrow().connection_ids();
-        for c in conns {
-            self.close_connection(c).await;
-        }
+        let closes = conns
+            .into_iter()
+            .map(|c| Box::pin(self.close_connection(c)))
+            .collect();
+        crate::join::join_all(closes).await;
         self.inner.shutdown.set(true);
         self.inner
             .events_stop

@@ -1,17 +1,22 @@
 //! Caller-side bounds on the wait for an engine core's reply.
 //!
-//! A transfer's deadline is enforced by its engine's progress loop, and a control call has no
-//! deadline of its own; both rely on the core running. A core that stops running (a job that
-//! blocks its thread, a reactor that never wakes) would hang every caller waiting on it. So a
-//! call from another thread also bounds its wait on the caller's side: once its reply is not
-//! there at the first look, it arms a bound, and past it the call ends with the typed
-//! `EngineStalled` error. Its job stays on the core and ends there when the core runs again (a
-//! transfer's slot is detached then; the in-flight table keeps its memory until the NIC is done).
+//! A transfer's deadline is enforced by its engine's progress loop, and many calls have no
+//! deadline of their own; all of them rely on the core running. A core that stops running (a
+//! job that blocks its thread, a reactor that never wakes) would hang every caller waiting on
+//! it. So each core beats: a task of its own bumps its [`Liveness`] every
+//! [`Liveness::period`], and a call from another thread that waits for its reply ends with the
+//! typed `EngineStalled` once the core has not beaten for `EngineConfig::stall_timeout`. A call
+//! that merely takes long on a running core (a large registration on the blocking pool, a
+//! receive nobody sends to, a close waiting for the NIC) is never cut short. The call's job
+//! stays on the core and ends there when the core runs again (a transfer's is cancelled like a
+//! dropped future: its slot is detached, and the in-flight table keeps its memory until the
+//! NIC is done).
 //!
 //! The bounds are kept by one watchdog thread per process that ticks every [`TICK`] while any is
-//! armed. Arming one takes no lock (an allocation and a push onto a lock-free queue) and, while
-//! the watchdog ticks, no system call, so a call that waits pays a few atomics. A reply caught by the reply spin arms nothing: the spin
-//! defers arming (see [`deferring`]).
+//! armed and sleeps otherwise. A call arms its bound only once it waits: not at a first poll
+//! that finds its reply, and not while the reply spin polls (see [`deferring`]). Arming takes
+//! no lock and no clock read (an allocation and a push onto a lock-free queue; the watchdog
+//! counts its ticks).
 
 use std::cell::Cell;
 use std::future::Future;
@@ -25,22 +30,58 @@ use atomic_waker::AtomicWaker;
 use futures_channel::mpsc;
 use futures_lite::future::poll_fn;
 
-/// The watchdog's resolution: a bound fires between `bound` and `bound + 2 * TICK` after it was
-/// armed.
+/// The watchdog's resolution.
 pub(crate) const TICK: Duration = Duration::from_millis(20);
+
+/// A core's sign of life: its beats, and how long without one makes it stalled.
+#[derive(Debug)]
+pub(crate) struct Liveness {
+    beats: AtomicU64,
+    stall: Duration,
+}
+
+impl Liveness {
+    pub(crate) fn new(stall: Duration) -> Arc<Liveness> {
+        Arc::new(Liveness {
+            beats: AtomicU64::new(0),
+            stall,
+        })
+    }
+
+    /// How often the core beats: an eighth of the stall bound, from 10 ms to 1 s.
+    pub(crate) fn period(&self) -> Duration {
+        (self.stall / 8).clamp(Duration::from_millis(10), Duration::from_secs(1))
+    }
+
+    /// The core's heartbeat task (spawned on the core for as long as it serves).
+    pub(crate) async fn beat(self: Arc<Self>) {
+        loop {
+            glommio::timer::sleep(self.period()).await;
+            self.beats.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Watchdog ticks in the stall bound.
+    fn stall_ticks(&self) -> u64 {
+        u64::try_from(self.stall.as_nanos().div_ceil(TICK.as_nanos())).unwrap_or(u64::MAX)
+    }
+}
 
 /// One armed bound, shared by the waiting call and the watchdog.
 #[derive(Debug)]
 struct Armed {
-    /// The watchdog tick at which it fires.
-    due: u64,
+    core: Arc<Liveness>,
+    /// The core's beats when last looked at.
+    seen: AtomicU64,
+    /// The watchdog tick at which to look again (written by the watchdog only).
+    due: AtomicU64,
     fired: AtomicBool,
     waker: AtomicWaker,
 }
 
 #[derive(Debug)]
 struct Watchdog {
-    /// Ticks since the watchdog started.
+    /// Ticks since the watchdog started (it stands still while nothing is armed).
     now: Arc<AtomicU64>,
     arm: mpsc::UnboundedSender<Arc<Armed>>,
 }
@@ -62,14 +103,15 @@ fn watchdog() -> &'static Watchdog {
     })
 }
 
-/// The watchdog's loop: each tick, takes the newly armed bounds, fires those due and drops
-/// those whose call has ended; with none left, it sleeps until the next is armed.
+/// The watchdog's loop: each tick, takes the newly armed bounds, drops those whose call has
+/// ended, and looks at those due: a core that beat since the last look gets another stall
+/// bound; one that did not has stalled, and its call is woken to end. With nothing armed, it
+/// sleeps until something is.
 fn watch(now: &AtomicU64, mut armed: mpsc::UnboundedReceiver<Arc<Armed>>) {
     let mut live: Vec<Arc<Armed>> = Vec::new();
     loop {
         if live.is_empty() {
-            // Nothing to watch: sleep until something is armed. The clock stands still
-            // meanwhile, and a bound armed now counts from where it stands.
+            // The clock stands still meanwhile; a bound armed now counts from where it stands.
             match futures_lite::future::block_on(futures_lite::StreamExt::next(&mut armed)) {
                 Some(a) => live.push(a),
                 None => return,
@@ -84,12 +126,18 @@ fn watch(now: &AtomicU64, mut armed: mpsc::UnboundedReceiver<Arc<Armed>>) {
             if Arc::strong_count(a) == 1 {
                 return false;
             }
-            if a.due <= tick {
-                a.fired.store(true, Ordering::Release);
-                a.waker.wake();
-                return false;
+            if a.due.load(Ordering::Relaxed) > tick {
+                return true;
             }
-            true
+            let beats = a.core.beats.load(Ordering::Relaxed);
+            if a.seen.swap(beats, Ordering::Relaxed) != beats {
+                a.due
+                    .store(tick.saturating_add(a.core.stall_ticks()), Ordering::Relaxed);
+                return true;
+            }
+            a.fired.store(true, Ordering::Release);
+            a.waker.wake();
+            false
         });
     }
 }
@@ -111,59 +159,61 @@ pub(crate) fn deferring<T>(f: impl FnOnce() -> T) -> T {
     f()
 }
 
-/// The bound's wait ran out: the core did not answer within it.
+/// The core did not beat for this long while the call waited.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Stalled(pub(crate) Duration);
 
-/// Awaits `fut`; once it has had to wait (its first poll outside a reply spin found it
-/// pending), for at most `bound` more (`None`: without a bound).
+/// Awaits `fut`, the reply of a call to the core `core` beats for (`None`: without a bound);
+/// once it has had to wait (its first poll outside a reply spin found it pending), it ends
+/// with [`Stalled`] if the core stops beating for its stall bound.
 pub(crate) async fn bounded<F: Future>(
     fut: F,
-    bound: Option<Duration>,
+    core: Option<&Arc<Liveness>>,
 ) -> Result<F::Output, Stalled> {
     let mut fut = std::pin::pin!(fut);
     let mut armed: Option<Arc<Armed>> = None;
-    poll_fn(move |cx| poll_bounded(fut.as_mut(), bound, &mut armed, cx)).await
+    poll_fn(move |cx| poll_bounded(fut.as_mut(), core, &mut armed, cx)).await
 }
 
 fn poll_bounded<F: Future>(
     fut: Pin<&mut F>,
-    bound: Option<Duration>,
+    core: Option<&Arc<Liveness>>,
     armed: &mut Option<Arc<Armed>>,
     cx: &mut Context<'_>,
 ) -> Poll<Result<F::Output, Stalled>> {
     if let Poll::Ready(v) = fut.poll(cx) {
         return Poll::Ready(Ok(v));
     }
-    let Some(bound) = bound else {
+    let Some(core) = core else {
         return Poll::Pending;
     };
     if armed.is_none() {
         if DEFER.with(Cell::get) {
             return Poll::Pending;
         }
-        *armed = arm(bound);
+        *armed = arm(core);
     }
     if let Some(a) = armed {
         a.waker.register(cx.waker());
         if a.fired.load(Ordering::Acquire) {
-            return Poll::Ready(Err(Stalled(bound)));
+            return Poll::Ready(Err(Stalled(core.stall)));
         }
     }
     Poll::Pending
 }
 
-/// Arms a bound of `bound` from now (`None` if the watchdog is gone).
-fn arm(bound: Duration) -> Option<Arc<Armed>> {
+/// Arms a bound on `core` from now (`None` if the watchdog is gone).
+fn arm(core: &Arc<Liveness>) -> Option<Arc<Armed>> {
     let w = watchdog();
-    let ticks = bound.as_nanos().div_ceil(TICK.as_nanos());
-    let ticks = u64::try_from(ticks).unwrap_or(u64::MAX);
     let a = Arc::new(Armed {
-        due: w
-            .now
-            .load(Ordering::Relaxed)
-            .saturating_add(ticks)
-            .saturating_add(1),
+        core: Arc::clone(core),
+        seen: AtomicU64::new(core.beats.load(Ordering::Relaxed)),
+        due: AtomicU64::new(
+            w.now
+                .load(Ordering::Relaxed)
+                .saturating_add(core.stall_ticks())
+                .saturating_add(1),
+        ),
         fired: AtomicBool::new(false),
         waker: AtomicWaker::new(),
     });
@@ -177,15 +227,39 @@ mod tests {
     use futures_lite::future::{block_on, pending, ready};
 
     #[test]
-    fn a_reply_that_never_comes_ends_stalled_after_its_bound() {
-        let bound = Duration::from_millis(60);
-        let r = block_on(bounded(pending::<()>(), Some(bound)));
-        assert_eq!(r, Err(Stalled(bound)));
+    fn a_reply_that_never_comes_from_a_core_that_never_beats_ends_stalled() {
+        let core = Liveness::new(Duration::from_millis(60));
+        let r = block_on(bounded(pending::<()>(), Some(&core)));
+        assert_eq!(r, Err(Stalled(Duration::from_millis(60))));
+    }
+
+    #[test]
+    fn a_core_that_beats_keeps_a_long_call_waiting() {
+        let core = Liveness::new(Duration::from_millis(60));
+        let beating = Arc::clone(&core);
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        // Beats (from this thread, as the core's task would) for 400 ms, over six stall bounds.
+        let beater = std::thread::spawn(move || {
+            for _ in 0..40 {
+                std::thread::sleep(Duration::from_millis(10));
+                beating.beats.fetch_add(1, Ordering::Relaxed);
+            }
+            stopped.store(true, Ordering::Release);
+        });
+        let r = block_on(bounded(pending::<()>(), Some(&core)));
+        assert_eq!(r, Err(Stalled(Duration::from_millis(60))));
+        assert!(
+            stop.load(Ordering::Acquire),
+            "the bound fired only once the beats had stopped"
+        );
+        beater.join().unwrap();
     }
 
     #[test]
     fn a_ready_reply_arms_nothing_and_no_bound_waits_on() {
-        assert_eq!(block_on(bounded(ready(7), Some(Duration::ZERO))), Ok(7));
+        let core = Liveness::new(Duration::ZERO);
+        assert_eq!(block_on(bounded(ready(7), Some(&core))), Ok(7));
         // Without a bound a pending future stays pending, with nothing armed.
         let mut fut = std::pin::pin!(pending::<()>());
         let mut armed = None;
@@ -196,20 +270,36 @@ mod tests {
 
     #[test]
     fn polls_inside_a_reply_spin_arm_nothing_and_the_next_poll_arms() {
+        let core = Liveness::new(Duration::from_secs(5));
         let mut fut = std::pin::pin!(pending::<()>());
         let mut armed = None;
         let mut cx = Context::from_waker(std::task::Waker::noop());
-        let bound = Some(Duration::from_secs(5));
         deferring(|| {
             for _ in 0..3 {
-                assert!(poll_bounded(fut.as_mut(), bound, &mut armed, &mut cx).is_pending());
+                assert!(poll_bounded(fut.as_mut(), Some(&core), &mut armed, &mut cx).is_pending());
             }
         });
         assert!(armed.is_none(), "a spinning call arms no bound");
-        assert!(poll_bounded(fut.as_mut(), bound, &mut armed, &mut cx).is_pending());
+        assert!(poll_bounded(fut.as_mut(), Some(&core), &mut armed, &mut cx).is_pending());
         assert!(armed.is_some(), "a waiting call arms its bound");
         // Nested spins restore the outer state.
         deferring(|| deferring(|| ()));
         assert!(!DEFER.with(Cell::get));
+    }
+
+    #[test]
+    fn the_heartbeat_period_is_an_eighth_of_the_bound_within_limits() {
+        assert_eq!(
+            Liveness::new(Duration::from_secs(60)).period(),
+            Duration::from_secs(1)
+        );
+        assert_eq!(
+            Liveness::new(Duration::from_secs(1)).period(),
+            Duration::from_millis(125)
+        );
+        assert_eq!(
+            Liveness::new(Duration::ZERO).period(),
+            Duration::from_millis(10)
+        );
     }
 }

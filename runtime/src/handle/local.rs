@@ -144,8 +144,8 @@ fn served_here(id: u64) -> Option<Served> {
 
 impl EngineHandle {
     /// Starts `job` on the engine's core: at once when called there (`Ok(false)`), else sent
-    /// over the core's channel (`Ok(true)`: the caller then bounds its wait, see
-    /// [`super::bound`]; a task on the core itself stops with the core).
+    /// over the core's channel (`Ok(true)`: the caller then bounds its wait by the core's
+    /// heartbeat, see [`super::bound`]; a task on the core itself stops with the core).
     pub(super) fn start(&self, job: Job) -> Result<bool, Lost> {
         if let Some(served) = served_here(self.id) {
             self.hand_offs.on_core.fetch_add(1, Ordering::Relaxed);
@@ -187,7 +187,7 @@ impl EngineHandle {
         F: FnOnce() -> Fut + Send + 'static,
         Fut: Future<Output = T> + 'static,
     {
-        self.on_core_or_cancel(false, None, move |_| f())
+        self.on_core_or_cancel(false, move |_| f())
             .await
             .map_err(RuntimeError::from)
     }

@@ -61,8 +61,7 @@ pub(crate) fn serve_core(
         device: engine.as_ref().map(|e| Arc::from(e.device_name().as_str())),
         hand_offs: Arc::default(),
         reply_spin: cfg.reply_spin,
-        stall_timeout: cfg.stall_timeout,
-        transfer_timeout: cfg.transfer_timeout,
+        liveness: super::bound::Liveness::new(cfg.stall_timeout),
     };
     let served = Served {
         files: Rc::new(FileStore::new(cfg.file)),
@@ -82,7 +81,13 @@ pub(crate) fn serve_core(
         e.set_command_pump(Box::new(move || inbox.pump(&served)));
     }
     let hand_offs = Arc::clone(&handle.hand_offs);
-    (handle, serve(served, inbox, hand_offs))
+    let liveness = Arc::clone(&handle.liveness);
+    let serving = async move {
+        // The core beats for as long as it serves (dropping the task cancels it).
+        let _heartbeat = glommio::spawn_local(liveness.beat());
+        serve(served, inbox, hand_offs).await;
+    };
+    (handle, serving)
 }
 
 /// The tasks jobs started on this core that are still running and may need its reactor.
