@@ -248,7 +248,11 @@ impl<Q: SendQueue> Core<Q> {
     pub fn poll_idle(&mut self, conn: ConnId, cx: &mut Context<'_>) -> Poll<()> {
         match self.conns.get_mut(conn.0 as usize) {
             Some(c) if !c.credits.is_idle() => {
-                c.credit_waiters.push(cx.waker().clone());
+                // A close polled again (an engine closing all its connections at once polls
+                // every close at each wake) registers its waker once.
+                if !c.credit_waiters.iter().any(|w| w.will_wake(cx.waker())) {
+                    c.credit_waiters.push(cx.waker().clone());
+                }
                 Poll::Pending
             }
             _ => Poll::Ready(()),

@@ -17,6 +17,9 @@ pub struct EnginePool {
     joins: Vec<glommio::ExecutorJoinHandle<()>>,
 }
 
+/// The least time [`EnginePool::start`] gives an engine to open its device and answer.
+const START_FLOOR: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Locked memory each executor's io_uring may register (small, so pools fit an 8 MiB memlock).
 pub const DEFAULT_IO_MEMORY: usize = 64 << 10;
 
@@ -37,7 +40,9 @@ impl EnginePool {
             handles: Vec::new(),
             joins: Vec::new(),
         };
-        let stall = cfg.stall_timeout;
+        // An engine has no heartbeat yet while it opens its device: its start gets
+        // `stall_timeout`, but never less than START_FLOOR.
+        let stall = cfg.stall_timeout.max(START_FLOOR);
         for (i, &cpu) in cpus.iter().enumerate() {
             let (ready_tx, ready_rx) = std::sync::mpsc::channel();
             let cfg = cfg.clone();
@@ -75,7 +80,7 @@ impl EnginePool {
                 Ok(Err(e)) => Err(e),
                 Err(RecvTimeoutError::Timeout) => {
                     // Its thread is left to itself (not joined): it may never end.
-                    tracing::error!(cpu, "the engine did not start within stall_timeout");
+                    tracing::error!(cpu, waited = ?stall, "the engine did not start in time");
                     pool.shutdown_inner();
                     return Err(RuntimeError::EngineStalled(stall));
                 }

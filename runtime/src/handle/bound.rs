@@ -33,10 +33,16 @@ use futures_lite::future::poll_fn;
 /// The watchdog's resolution.
 pub(crate) const TICK: Duration = Duration::from_millis(20);
 
+/// The shortest stall bound (a smaller `stall_timeout` is raised to it).
+pub(crate) const MIN_STALL: Duration = Duration::from_millis(100);
+
 /// A core's sign of life: its beats, and how long without one makes it stalled.
 #[derive(Debug)]
 pub(crate) struct Liveness {
     beats: AtomicU64,
+    /// `beats + 1` as they stood when a bound found the core stalled (0: never): until the
+    /// core beats again, further calls to it end at once instead of waiting out a bound each.
+    stalled_at: AtomicU64,
     stall: Duration,
 }
 
@@ -44,8 +50,14 @@ impl Liveness {
     pub(crate) fn new(stall: Duration) -> Arc<Liveness> {
         Arc::new(Liveness {
             beats: AtomicU64::new(0),
-            stall,
+            stalled_at: AtomicU64::new(0),
+            stall: stall.max(MIN_STALL),
         })
+    }
+
+    /// Whether a bound found the core stalled and it has not beaten since.
+    fn known_stalled(&self) -> bool {
+        self.stalled_at.load(Ordering::Relaxed) == self.beats.load(Ordering::Relaxed) + 1
     }
 
     /// How often the core beats: an eighth of the stall bound, from 10 ms to 1 s.
@@ -95,12 +107,28 @@ fn watchdog() -> &'static Watchdog {
         // If the thread cannot start, bounds never fire: calls wait as they would without one.
         if let Err(e) = std::thread::Builder::new()
             .name("rixl-watchdog".into())
-            .spawn(move || watch(&ticks, armed))
+            .spawn(move || {
+                off_the_engine_cores();
+                watch(&ticks, armed)
+            })
         {
             tracing::error!(error = %e, "the watchdog thread could not start: calls to engine cores are not bounded");
         }
         Watchdog { now, arm }
     })
+}
+
+/// A thread inherits its creator's CPU affinity, and the first call to arm a bound may come
+/// from an engine's core, pinned to its CPU: the watchdog widens its own affinity to the
+/// process's CPUs so its ticks do not land on that core.
+fn off_the_engine_cores() {
+    let mut set = nix::sched::CpuSet::new();
+    for &cpu in crate::pool::available_cpus() {
+        let _ = set.set(cpu);
+    }
+    if let Err(e) = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set) {
+        tracing::debug!(error = %e, "the watchdog keeps its creator's CPU affinity");
+    }
 }
 
 /// The watchdog's loop: each tick, takes the newly armed bounds, drops those whose call has
@@ -135,6 +163,9 @@ fn watch(now: &AtomicU64, mut armed: mpsc::UnboundedReceiver<Arc<Armed>>) {
                     .store(tick.saturating_add(a.core.stall_ticks()), Ordering::Relaxed);
                 return true;
             }
+            a.core
+                .stalled_at
+                .store(beats.saturating_add(1), Ordering::Relaxed);
             a.fired.store(true, Ordering::Release);
             a.waker.wake();
             false
@@ -191,6 +222,9 @@ fn poll_bounded<F: Future>(
         if DEFER.with(Cell::get) {
             return Poll::Pending;
         }
+        if core.known_stalled() {
+            return Poll::Ready(Err(Stalled(core.stall)));
+        }
         *armed = arm(core);
     }
     if let Some(a) = armed {
@@ -228,14 +262,34 @@ mod tests {
 
     #[test]
     fn a_reply_that_never_comes_from_a_core_that_never_beats_ends_stalled() {
-        let core = Liveness::new(Duration::from_millis(60));
+        let core = Liveness::new(MIN_STALL);
         let r = block_on(bounded(pending::<()>(), Some(&core)));
-        assert_eq!(r, Err(Stalled(Duration::from_millis(60))));
+        assert_eq!(r, Err(Stalled(MIN_STALL)));
+    }
+
+    #[test]
+    fn once_found_stalled_a_core_fails_calls_at_once_until_it_beats_again() {
+        let core = Liveness::new(MIN_STALL);
+        let r = block_on(bounded(pending::<()>(), Some(&core)));
+        assert_eq!(r, Err(Stalled(MIN_STALL)));
+        // The next call to the same silent core ends at its first wait, with nothing armed.
+        let mut fut = std::pin::pin!(pending::<()>());
+        let mut armed = None;
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        assert_eq!(
+            poll_bounded(fut.as_mut(), Some(&core), &mut armed, &mut cx),
+            Poll::Ready(Err(Stalled(MIN_STALL)))
+        );
+        assert!(armed.is_none());
+        // A beat: the core runs again, and calls wait (and arm) as before.
+        core.beats.fetch_add(1, Ordering::Relaxed);
+        assert!(poll_bounded(fut.as_mut(), Some(&core), &mut armed, &mut cx).is_pending());
+        assert!(armed.is_some());
     }
 
     #[test]
     fn a_core_that_beats_keeps_a_long_call_waiting() {
-        let core = Liveness::new(Duration::from_millis(60));
+        let core = Liveness::new(MIN_STALL);
         let beating = Arc::clone(&core);
         let stop = Arc::new(AtomicBool::new(false));
         let stopped = Arc::clone(&stop);
@@ -248,7 +302,7 @@ mod tests {
             stopped.store(true, Ordering::Release);
         });
         let r = block_on(bounded(pending::<()>(), Some(&core)));
-        assert_eq!(r, Err(Stalled(Duration::from_millis(60))));
+        assert_eq!(r, Err(Stalled(MIN_STALL)));
         assert!(
             stop.load(Ordering::Acquire),
             "the bound fired only once the beats had stopped"
@@ -258,7 +312,7 @@ mod tests {
 
     #[test]
     fn a_ready_reply_arms_nothing_and_no_bound_waits_on() {
-        let core = Liveness::new(Duration::ZERO);
+        let core = Liveness::new(MIN_STALL);
         assert_eq!(block_on(bounded(ready(7), Some(&core))), Ok(7));
         // Without a bound a pending future stays pending, with nothing armed.
         let mut fut = std::pin::pin!(pending::<()>());
@@ -297,9 +351,10 @@ mod tests {
             Liveness::new(Duration::from_secs(1)).period(),
             Duration::from_millis(125)
         );
+        // A bound under MIN_STALL is raised to it.
         assert_eq!(
             Liveness::new(Duration::ZERO).period(),
-            Duration::from_millis(10)
+            Duration::from_micros(12_500)
         );
     }
 }
