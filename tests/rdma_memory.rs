@@ -232,7 +232,7 @@ fn caller_owned_bad_memory_gets_typed_errors_and_nothing_is_registered() {
         Err(AgentError::BadMemory { source, .. }) => {
             assert_eq!(
                 source.raw_os_error(),
-                Some(libc_efault()),
+                Some(libc::EFAULT),
                 "inaccessible: {source}"
             );
         }
@@ -259,11 +259,6 @@ fn caller_owned_bad_memory_gets_typed_errors_and_nothing_is_registered() {
         "caller_owned: inaccessible and read-only memory refused ({err})"
     ));
     p.shutdown();
-}
-
-/// What `ibv_reg_mr` gives for a range it cannot pin.
-fn libc_efault() -> i32 {
-    libc::EFAULT
 }
 
 #[test]

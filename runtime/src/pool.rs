@@ -75,31 +75,30 @@ impl EnginePool {
                     }
                 })
                 .map_err(|e| RuntimeError::Executor(e.to_string()))?;
-            let started = match ready_rx.recv_timeout(stall) {
-                Ok(Ok(h)) => Ok(h),
-                Ok(Err(e)) => Err(e),
+            let failed = match ready_rx.recv_timeout(stall) {
+                Ok(Ok(h)) => {
+                    pool.handles.push(h);
+                    pool.joins.push(join);
+                    continue;
+                }
                 Err(RecvTimeoutError::Timeout) => {
                     // Its thread is left to itself (not joined): it may never end.
                     tracing::error!(cpu, waited = ?stall, "the engine did not start in time");
-                    pool.shutdown_inner();
-                    return Err(RuntimeError::EngineStalled(stall));
+                    RuntimeError::EngineStalled(stall)
                 }
-                Err(RecvTimeoutError::Disconnected) => Err(RuntimeError::Executor(format!(
-                    "executor on CPU {cpu} died while starting"
-                ))),
-            };
-            match started {
-                Ok(h) => {
-                    pool.handles.push(h);
-                    pool.joins.push(join);
-                }
-                Err(e) => {
+                answered => {
                     // The thread has answered (or died): it ends now.
                     let _ = join.join();
-                    pool.shutdown_inner();
-                    return Err(e);
+                    match answered {
+                        Ok(Err(e)) => e,
+                        _ => RuntimeError::Executor(format!(
+                            "executor on CPU {cpu} died while starting"
+                        )),
+                    }
                 }
-            }
+            };
+            pool.shutdown_inner();
+            return Err(failed);
         }
         Ok(pool)
     }

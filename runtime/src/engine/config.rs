@@ -50,10 +50,11 @@ pub struct EngineConfig {
     pub transfer_timeout: Duration,
     /// How long the engine's core may stop running (no heartbeat: its heartbeat task runs
     /// every eighth of this, up to 1 s apart; at least 100 ms) before a call from another
-    /// thread waiting on it ends with `EngineStalled` (noticed within twice this): a core that stops (a job blocking its thread, a reactor
-    /// that never wakes) turns into a typed error instead of a hang. A call that only takes
-    /// long on a running core (a large registration, a receive, a close) is not cut short.
-    /// Calls made on the core itself are not bounded (they stop with it).
+    /// thread waiting on it ends with `EngineStalled` (noticed within twice this): a core that
+    /// stops (a job blocking its thread, a reactor that never wakes) turns into a typed error
+    /// instead of a hang. A call that only takes long on a running core (a large
+    /// registration, a receive, a close) is not cut short. Calls made on the core itself are
+    /// not bounded (they stop with it).
     pub stall_timeout: Duration,
     /// Busy mode: how many empty polls after the last activity the engine keeps spinning for
     /// awaited receives before it falls back to polling every 200 µs.

@@ -31,10 +31,10 @@ use futures_channel::mpsc;
 use futures_lite::future::poll_fn;
 
 /// The watchdog's resolution.
-pub(crate) const TICK: Duration = Duration::from_millis(20);
+const TICK: Duration = Duration::from_millis(20);
 
 /// The shortest stall bound (a smaller `stall_timeout` is raised to it).
-pub(crate) const MIN_STALL: Duration = Duration::from_millis(100);
+const MIN_STALL: Duration = Duration::from_millis(100);
 
 /// A core's sign of life: its beats, and how long without one makes it stalled.
 #[derive(Debug)]
@@ -60,9 +60,10 @@ impl Liveness {
         self.stalled_at.load(Ordering::Relaxed) == self.beats.load(Ordering::Relaxed) + 1
     }
 
-    /// How often the core beats: an eighth of the stall bound, from 10 ms to 1 s.
+    /// How often the core beats: an eighth of the stall bound (12.5 ms at the least), at most
+    /// every second.
     pub(crate) fn period(&self) -> Duration {
-        (self.stall / 8).clamp(Duration::from_millis(10), Duration::from_secs(1))
+        (self.stall / 8).min(Duration::from_secs(1))
     }
 
     /// The core's heartbeat task (spawned on the core for as long as it serves).
