@@ -3,6 +3,8 @@
 use std::collections::VecDeque;
 use std::task::Waker;
 
+use smallvec::SmallVec;
+
 use crate::credits::SendCredits;
 use crate::error::TransferError;
 use crate::inflight::{InflightTable, SlotId};
@@ -96,7 +98,8 @@ pub const INBOX_LIMIT: usize = 64;
 pub(crate) struct QueuedWr {
     pub slot: SlotId,
     pub op: SendOp,
-    pub sges: Vec<Sge>,
+    /// Its entries (most small transfers have one: no heap allocation for them).
+    pub sges: SmallVec<[Sge; 2]>,
     /// Its memory is host memory (may be posted inline).
     pub host: bool,
     /// The transfer's last request (its requests are queued and posted together).

@@ -5,7 +5,9 @@
 //! a clock it has just read. A deadline therefore never passes early: a clock cached by the loop
 //! may be older than the arming (other tasks run between two of its turns, for as long as they
 //! take), so stamping with it would. It may pass late by up to the time between two passes.
-//! Entries of finished transfers are dropped lazily (most of them at that first pass).
+//! Entries of finished transfers are dropped lazily (most of them at that first pass). Arming
+//! only appends to a list; the pass moves what is still live into the heap, so a transfer that
+//! finishes before the next pass (most of them) never costs a heap operation.
 
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
@@ -29,6 +31,9 @@ pub struct Deadline {
 /// The deadlines of one core, soonest first.
 #[derive(Debug, Default)]
 pub struct Deadlines {
+    /// Armed since the last pass (not stamped yet).
+    armed: Vec<Deadline>,
+    /// Stamped, soonest first.
     heap: BinaryHeap<Reverse<Deadline>>,
 }
 
@@ -44,22 +49,22 @@ pub enum Due {
 impl Deadlines {
     /// Entries, including lazily dropped ones of finished transfers.
     pub fn len(&self) -> usize {
-        self.heap.len()
+        self.armed.len() + self.heap.len()
     }
 
     /// Whether no entry is armed.
     pub fn is_empty(&self) -> bool {
-        self.heap.is_empty()
+        self.armed.is_empty() && self.heap.is_empty()
     }
 
     /// Forgets every entry (nothing is in flight).
     pub fn clear(&mut self) {
+        self.armed.clear();
         self.heap.clear();
     }
 
-    /// Arms `timeout` for `slot`, to start at the next [`Self::pop_due`]. When the
-    /// heap holds more than twice `live` entries plus 1024, entries whose slot `is_live` rejects
-    /// are dropped.
+    /// Arms `timeout` for `slot`, to start at the next [`Self::pop_due`]. When more than twice
+    /// `live` entries plus 1024 are held, entries whose slot `is_live` rejects are dropped.
     pub fn arm(
         &mut self,
         slot: SlotId,
@@ -68,13 +73,14 @@ impl Deadlines {
         live: usize,
         is_live: impl Fn(SlotId) -> bool,
     ) {
-        self.heap.push(Reverse(Deadline {
+        self.armed.push(Deadline {
             at: None,
             slot,
             conn,
             timeout,
-        }));
-        if self.heap.len() > 2 * live + 1024 {
+        });
+        if self.len() > 2 * live + 1024 {
+            self.armed.retain(|d| is_live(d.slot));
             self.heap.retain(|Reverse(d)| is_live(d.slot));
         }
     }
@@ -82,25 +88,19 @@ impl Deadlines {
     /// The next deadline that has passed at `now`, if any. Unstamped entries of live slots are
     /// stamped `now + timeout` on the way (those of dead slots dropped).
     pub fn pop_due(&mut self, now: Instant, is_live: impl Fn(SlotId) -> bool) -> Due {
-        loop {
-            let Some(Reverse(d)) = self.heap.peek().copied() else {
-                return Due::None;
-            };
-            match d.at {
-                None => {
-                    self.heap.pop();
-                    // A deadline past what `Instant` can hold never passes.
-                    let at = now.checked_add(d.timeout);
-                    if at.is_some() && is_live(d.slot) {
-                        self.heap.push(Reverse(Deadline { at, ..d }));
-                    }
-                }
-                Some(at) if at > now => return Due::None,
-                Some(_) => {
-                    self.heap.pop();
-                    return Due::Passed(d);
-                }
+        for d in self.armed.drain(..) {
+            // A deadline past what `Instant` can hold never passes.
+            let at = now.checked_add(d.timeout);
+            if at.is_some() && is_live(d.slot) {
+                self.heap.push(Reverse(Deadline { at, ..d }));
             }
+        }
+        match self.heap.peek() {
+            Some(Reverse(Deadline { at: Some(at), .. })) if *at <= now => self
+                .heap
+                .pop()
+                .map_or(Due::None, |Reverse(d)| Due::Passed(d)),
+            _ => Due::None,
         }
     }
 }

@@ -179,10 +179,30 @@ pub fn plan_into(
     out.host = regions.iter().all(|r| r.host);
     let max_sge = limits.max_sge.max(1);
     let max_msg = limits.max_msg.clamp(1, u64::from(u32::MAX));
+    out.bytes = total;
+    // One descriptor a side that fits one request (most small transfers): one entry, one
+    // request, without the general walk below (which gives the same plan).
+    if let ([l], [r]) = (local, remote) {
+        if l.len <= max_msg {
+            let region = regions[l.region as usize];
+            out.sges.push(Sge {
+                addr: region.addr + l.offset,
+                length: l.len as u32,
+                lkey: region.lkey,
+            });
+            out.wrs.push(PlannedWr {
+                remote_addr: r.addr,
+                rkey: r.rkey,
+                sge_start: 0,
+                sge_count: 1,
+                bytes: l.len,
+            });
+            return Ok(());
+        }
+    }
     out.wrs
         .reserve(remote.len().max(local.len() / max_sge as usize + 1));
     out.sges.reserve(local.len().max(remote.len()));
-    out.bytes = total;
     let (mut lc, mut rc) = (Cursor::default(), Cursor::default());
     let mut open: Option<PlannedWr> = None;
     while rc.index < remote.len() {

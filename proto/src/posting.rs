@@ -164,7 +164,7 @@ impl<Q: SendQueue> Core<Q> {
                 let wrs = plan.wrs.iter().enumerate().map(|(i, wr)| QueuedWr {
                     slot: p.slot,
                     op: request_op(p, wr.remote_addr, wr.rkey, i + 1 == n),
-                    sges: plan.sges_of(wr).to_vec(),
+                    sges: SmallVec::from_slice(plan.sges_of(wr)),
                     host: plan.host,
                     last: i + 1 == n,
                     count: if i == 0 { n } else { 0 },
@@ -506,7 +506,7 @@ impl<Q: SendQueue> Core<Q> {
             [QueuedWr {
                 slot: p.slot,
                 op,
-                sges: vec![sge],
+                sges: smallvec::smallvec![sge],
                 host,
                 last: true,
                 count: 1,
