@@ -33,7 +33,7 @@ pub use crate::desc::{LocalDesc, Op, RegionInfo, RemoteDesc, RemoteDescList};
 pub use crate::error::{DeviceFault, FileError, FileId, InvalidDescriptor, TransferError};
 pub use crate::inflight::SlotId;
 pub use crate::plan::{Limits, Plan, PlannedWr};
-pub use crate::posting::Posting;
+pub use crate::posting::{Posting, POST_BATCH_INLINE};
 pub use crate::queue::{Clock, CompletionSource, SendQueue, SystemClock};
 pub use crate::stats::{
     ConnId, DescriptorRanges, EngineCounters, Message, Progress, TransferFailure, TransferOptions,

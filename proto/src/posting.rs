@@ -9,6 +9,10 @@ use smallvec::SmallVec;
 
 use crate::conn::{unknown, QueuedWr};
 use crate::conn::{COALESCE_MAX_WRS, COALESCE_SIGNAL_INTERVAL};
+
+/// Requests of a coalesced batch whose bookkeeping stays on the stack (the default
+/// `post_batch`).
+pub const POST_BATCH_INLINE: usize = 64;
 use crate::core::Core;
 use crate::desc::Op;
 use crate::error::TransferError;
@@ -428,7 +432,9 @@ impl<Q: SendQueue> Core<Q> {
             return Ok(0);
         }
         let signals = c.credits.plan_every(n as u32, COALESCE_SIGNAL_INTERVAL);
-        let mut keeps: SmallVec<[&Q::Keep; 8]> = SmallVec::new();
+        // A batch of up to the default `post_batch` keeps its lists on the stack (they grew on
+        // the heap, several allocations per doorbell, from 8 entries).
+        let mut keeps: SmallVec<[&Q::Keep; POST_BATCH_INLINE]> = SmallVec::new();
         let mut last_slot = None;
         for (q, signal) in c.pending.iter().take(n).zip(signals.flags()) {
             let bytes: u64 = q.sges.iter().map(|g| u64::from(g.length)).sum();
@@ -451,7 +457,7 @@ impl<Q: SendQueue> Core<Q> {
         // Transfers whose last request is unsignaled complete with the next signaled request
         // (the batch's last request is always signaled).
         let mut uncovered: SmallVec<[SlotId; 8]> = SmallVec::new();
-        let mut finished: SmallVec<[SlotId; 8]> = SmallVec::new();
+        let mut finished: SmallVec<[SlotId; POST_BATCH_INLINE]> = SmallVec::new();
         for (q, signal) in c.pending.drain(..n).zip(signals.flags()) {
             if signal {
                 inflight.add_signaled(q.slot, 1);

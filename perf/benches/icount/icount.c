@@ -7,7 +7,7 @@
  * Each marker appends to the output file the counts since the previous marker and resets them:
  *   mark <n>
  *   vcpu <i> user <insns> kernel <insns>
- *   tb <vcpu> <vaddr hex> <insns>          (user blocks with at least `min` instructions)
+ *   tb <vcpu> <vaddr hex> <insns> <runs>   (user blocks with at least `min` instructions)
  *
  * Usage: qemu ... -plugin /path/libicount.so,out=/path/counts.txt[,min=1000]
  * Built against QEMU's plugin ABI version 1 (QEMU 7.2); only the declarations it uses are
@@ -103,17 +103,19 @@ static void on_mark(unsigned int vcpu, void *unused)
     qsort(v, n, sizeof *v, by_vaddr);
     /* Sum retranslations of one address, per vCPU. */
     for (size_t i = 0; i < n;) {
-        uint64_t sum[MAX_VCPUS] = {0};
+        uint64_t sum[MAX_VCPUS] = {0}, runs[MAX_VCPUS] = {0};
         size_t j = i;
         for (; j < n && v[j]->vaddr == v[i]->vaddr; j++) {
             for (int c = 0; c < MAX_VCPUS; c++) {
                 sum[c] += v[j]->runs[c] * v[j]->insns;
+                runs[c] += v[j]->runs[c];
                 v[j]->runs[c] = 0;
             }
         }
         for (int c = 0; c < MAX_VCPUS; c++) {
             if (sum[c] >= min_insns) {
-                fprintf(out, "tb %d %" PRIx64 " %" PRIu64 "\n", c, v[i]->vaddr, sum[c]);
+                fprintf(out, "tb %d %" PRIx64 " %" PRIu64 " %" PRIu64 "\n", c, v[i]->vaddr,
+                        sum[c], runs[c]);
             }
         }
         i = j;

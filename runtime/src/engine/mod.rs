@@ -74,6 +74,9 @@ pub(crate) struct Inner {
     events_stop: Arc<std::sync::atomic::AtomicBool>,
     /// Takes the commands other threads sent to this core ([`Engine::set_command_pump`]).
     pump: RefCell<Option<Box<dyn Fn()>>>,
+    /// The completion buffers of a future's own reap (kept: filling fresh ones on every poll
+    /// was a few hundred bytes of stores per transfer).
+    reap_buffers: RefCell<transfer::ReapBuffers>,
 }
 
 /// A per-core transfer engine. Cheap to clone (all clones are the same engine); `!Send`.
@@ -167,6 +170,7 @@ impl Engine {
             cq_failed: Cell::new(false),
             events_stop: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             pump: RefCell::new(None),
+            reap_buffers: RefCell::default(),
         });
         glommio::spawn_local(progress::supervised(Rc::clone(&inner))).detach();
         events::start(&inner, inner.pd.context(), Arc::clone(&inner.events_stop));

@@ -133,7 +133,8 @@ impl SendQueue for VerbsQueue {
     }
 
     fn post(&mut self, keeps: &[&KeepAlive]) -> Result<(), rixl_verbs::Error> {
-        let regs: SmallVec<[&dyn OwnedRegistration; 4]> = keeps
+        // On the stack for a batch of up to the default `post_batch` transfers.
+        let regs: SmallVec<[&dyn OwnedRegistration; rixl_proto::POST_BATCH_INLINE]> = keeps
             .iter()
             .flat_map(|k| k.regions.iter().filter_map(Region::registration))
             .collect();

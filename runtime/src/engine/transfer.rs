@@ -151,22 +151,17 @@ impl Engine {
             bytes = tracing::field::Empty,
             wrs = tracing::field::Empty
         );
-        let inner = Rc::clone(&self.inner);
+        let inner = &self.inner;
         // Without a debug subscriber the span is disabled: no `Instrumented` layer (a span
         // entered and left on every poll, and one more future to move) around the transfer.
-        let transfer = transfer_inner(
-            Rc::clone(&inner),
-            conn,
-            op,
-            local,
-            remote,
-            opts,
-            span.clone(),
-        );
+        // (Each branch makes its future where it awaits it: a future bound first is moved,
+        // several hundred bytes, when it is awaited.)
         let result = if span.is_disabled() {
-            transfer.await
+            transfer_inner(inner, conn, op, local, remote, opts, None).await
         } else {
-            transfer.instrument(span.clone()).await
+            transfer_inner(inner, conn, op, local, remote, opts, Some(&span))
+                .instrument(span.clone())
+                .await
         };
         match &result {
             Ok(st) => {
@@ -240,11 +235,12 @@ impl Engine {
             bytes = prepared.plan.bytes,
             wrs = prepared.plan.wrs.len()
         );
-        let post = post_prepared(&inner, prepared, &opts);
         let result = if span.is_disabled() {
-            post.await
+            post_prepared(&inner, prepared, &opts).await
         } else {
-            post.instrument(span.clone()).await
+            post_prepared(&inner, prepared, &opts)
+                .instrument(span.clone())
+                .await
         };
         if let Err(e) = &result {
             tracing::debug!(parent: &span, error = %e, "prepared transfer failed");
@@ -441,8 +437,9 @@ fn check_and_plan(
     notify_imm: bool,
     plan: &mut Plan,
 ) -> Result<u64, TransferError> {
+    let core = inner.core.borrow();
     // The notification and the connection are checked before the descriptors.
-    inner.core.borrow().check_transfer(conn, op, notify_imm)?;
+    core.check_transfer(conn, op, notify_imm)?;
     // Most transfers use one or two regions: no heap allocation for them.
     let mut regions: SmallVec<[RegionInfo; 4]> = SmallVec::new();
     for (i, r) in local.regions().iter().enumerate() {
@@ -466,7 +463,7 @@ fn check_and_plan(
             host: !r.is_gpu(),
         });
     }
-    inner.core.borrow().plan_transfer(
+    core.plan_transfer(
         conn,
         op,
         &regions,
@@ -477,20 +474,21 @@ fn check_and_plan(
     )
 }
 
+/// A READ or WRITE: check and plan, post, wait. `span`: the transfer's, when enabled.
 async fn transfer_inner(
-    inner: Rc<Inner>,
+    inner: &Rc<Inner>,
     conn: ConnId,
     op: Op,
     local: &LocalDescList,
     remote: &RemoteDescList,
     opts: TransferOptions,
-    span: tracing::Span,
+    span: Option<&tracing::Span>,
 ) -> Result<TransferStats, TransferFailure> {
     let clock = || inner.cfg.timing.then(Instant::now);
     let t0 = clock();
     let mut plan = inner.core.borrow_mut().take_plan();
     if let Err(e) = check_and_plan(
-        &inner,
+        inner,
         conn,
         op,
         local,
@@ -501,10 +499,12 @@ async fn transfer_inner(
         inner.core.borrow_mut().recycle_plan(plan);
         return Err(TransferFailure::before_posting(e, local.len()));
     }
-    span.record("bytes", plan.bytes);
-    span.record("wrs", plan.wrs.len());
+    if let Some(span) = span {
+        span.record("bytes", plan.bytes);
+        span.record("wrs", plan.wrs.len());
+    }
     let prepared = clock();
-    let mut guard = post_plan(&inner, conn, op, &plan, local.regions(), &opts).await;
+    let mut guard = post_plan(inner, conn, op, &plan, local.regions(), &opts).await;
     let (bytes, work_requests) = (plan.bytes, plan.wrs.len());
     // The plan goes back to the pool before the wait: concurrent transfers share few plans.
     inner.core.borrow_mut().recycle_plan(plan);
@@ -627,18 +627,53 @@ async fn flush_queue(inner: Rc<Inner>, conn: ConnId) {
     .await;
 }
 
+/// The completion buffers a future's own reap fills.
+pub(super) struct ReapBuffers {
+    wcs: [WorkCompletion; REAP_NOW_BATCH],
+    out: [Completion; REAP_NOW_BATCH],
+}
+
+impl Default for ReapBuffers {
+    fn default() -> Self {
+        ReapBuffers {
+            wcs: [WorkCompletion::default(); REAP_NOW_BATCH],
+            out: [Completion::success(0, 0); REAP_NOW_BATCH],
+        }
+    }
+}
+
 /// Polls the CQ up to `polls` times (at least once), routing what it reaps, until `done` is
 /// ready after a reap; stops early if the CQ poll failed (the progress task fails the engine's
-/// connections then). The completion buffers are on the stack of this poll, not in the calling
-/// future (which every `.await` moves).
+/// connections then). The completion buffers are the engine's, not the calling future's
+/// (which every `.await` moves).
 fn reap_until<T>(
     inner: &Inner,
     core: &mut Core<VerbsQueue>,
     polls: u32,
-    mut done: impl FnMut(&mut Core<VerbsQueue>) -> Poll<T>,
+    done: impl FnMut(&mut Core<VerbsQueue>) -> Poll<T>,
 ) -> Poll<T> {
-    let mut wcs = [WorkCompletion::default(); REAP_NOW_BATCH];
-    let mut out = [Completion::success(0, 0); REAP_NOW_BATCH];
+    match inner.reap_buffers.try_borrow_mut() {
+        Ok(mut b) => {
+            let ReapBuffers { wcs, out } = &mut *b;
+            reap_into(inner, core, polls, done, wcs, out)
+        }
+        // Not reentered today; if it ever is, the inner reap fills buffers of its own.
+        Err(_) => {
+            let mut b = ReapBuffers::default();
+            reap_into(inner, core, polls, done, &mut b.wcs, &mut b.out)
+        }
+    }
+}
+
+/// [`reap_until`] with its buffers.
+fn reap_into<T>(
+    inner: &Inner,
+    core: &mut Core<VerbsQueue>,
+    polls: u32,
+    mut done: impl FnMut(&mut Core<VerbsQueue>) -> Poll<T>,
+    wcs: &mut [WorkCompletion],
+    out: &mut [Completion],
+) -> Poll<T> {
     for poll in 0..polls.max(1) {
         // A pause only between two polls: none after the last, so a future that polls once
         // and waits (others in flight) pays none. (Emulated CPUs leave their translated code
@@ -648,10 +683,10 @@ fn reap_until<T>(
         }
         let mut cq = VerbsCq {
             cq: &inner.cq,
-            wcs: &mut wcs,
+            wcs: &mut *wcs,
             failed: &inner.cq_failed,
         };
-        if core.reap(&mut cq, &mut out) > 0 {
+        if core.reap(&mut cq, out) > 0 {
             inner.quiet_polls.set(0);
             if let Poll::Ready(r) = done(core) {
                 return Poll::Ready(r);

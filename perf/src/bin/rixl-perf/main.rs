@@ -516,7 +516,15 @@ async fn bw_run(
                 } else if send {
                     e.send(conns[k].0, &payload, None).await.map_err(s)?;
                 } else {
-                    xfers[k].run(&e).await?;
+                    // The engine's future awaited here, not through `Xfer::run`: one future
+                    // layer less per transfer, as perftest's loop posts directly.
+                    let x: &Xfer = &xfers[k];
+                    let opts = TransferOptions::default();
+                    match &x.prepared {
+                        Some(p) => e.post(p, opts).await,
+                        None => e.transfer(x.conn, x.op, &x.local, &x.remote, opts).await,
+                    }
+                    .map_err(s)?;
                 }
                 unstamped += post_list;
                 if unstamped >= stamp_every {
