@@ -15,10 +15,10 @@ use crate::deadline::{Deadlines, Due};
 use crate::desc::{LocalDesc, Op, RegionInfo, RemoteDesc};
 use crate::error::TransferError;
 use crate::inflight::{decode_wr_id, InflightTable, Routed, SlotId};
-use crate::plan::{self, Limits, Plan};
+use crate::plan::{self, Limits, Plan, PlannedWr};
 use crate::queue::{CompletionSource, SendQueue};
 use crate::stats::{ConnId, EngineCounters, Message};
-use crate::wire::{Completion, WcOpcode};
+use crate::wire::{Completion, Sge, WcOpcode};
 
 /// Receive work requests carry this bit (send requests never do: their generation has 30 bits).
 pub const RECV_BIT: u64 = 1 << 62;
@@ -353,6 +353,60 @@ impl<Q: SendQueue> Core<Q> {
         };
         plan::plan_into(plan, regions, local, remote, limits)?;
         Ok(c.epoch)
+    }
+
+    /// [`Core::plan_transfer`] for one descriptor a side that is valid and fits one request
+    /// (most small transfers), without the general validation and walk; the same plan and
+    /// epoch. `None` for anything else, without a reason: the caller then plans it with
+    /// [`Core::plan_transfer`], which names the error or splits the transfer.
+    #[allow(clippy::too_many_arguments)]
+    pub fn plan_single(
+        &self,
+        conn: ConnId,
+        op: Op,
+        region: &RegionInfo,
+        local: &LocalDesc,
+        remote: &RemoteDesc,
+        notify_imm: bool,
+        plan: &mut Plan,
+    ) -> Option<u64> {
+        if notify_imm && op == Op::Read {
+            return None;
+        }
+        let c = self.conns.get(conn.0 as usize)?;
+        if matches!(c.state, ConnState::Failed(_)) {
+            return None;
+        }
+        let len = local.len;
+        let fits = len > 0
+            && local.region == 0
+            && remote.len == len
+            && len <= c.max_msg.clamp(1, u64::from(u32::MAX))
+            && local
+                .offset
+                .checked_add(len)
+                .is_some_and(|end| end <= region.len)
+            && remote.addr.checked_add(len).is_some();
+        if !fits {
+            return None;
+        }
+        plan.wrs.clear();
+        plan.sges.clear();
+        plan.bytes = len;
+        plan.host = region.host;
+        plan.sges.push(Sge {
+            addr: region.addr + local.offset,
+            length: len as u32,
+            lkey: region.lkey,
+        });
+        plan.wrs.push(PlannedWr {
+            remote_addr: remote.addr,
+            rkey: remote.rkey,
+            sge_start: 0,
+            sge_count: 1,
+            bytes: len,
+        });
+        Some(c.epoch)
     }
 
     /// The checks of a transfer that come before its descriptors': a notification needs a WRITE,

@@ -1743,3 +1743,50 @@ fn a_queued_coalesced_transfer_that_fails_names_every_descriptor_failed() {
     let r = DescriptorRanges::of(queued.progress(), [4096, 4096]);
     assert_eq!((r.failed(), r.not_posted()), (0..2, 2..2));
 }
+
+proptest::proptest! {
+    /// The single-request plan is the general plan whenever it answers, and it answers for every
+    /// valid transfer of one descriptor a side that fits one request; anything else (every
+    /// invalid list, a READ with a notification, a failed connection) is left to the general
+    /// planner, which names the error.
+    #[test]
+    fn plan_single_agrees_with_the_general_plan(
+        region in 0u32..2,
+        offset in proptest::prop_oneof![0u64..4096, (1u64 << 30) - 4096..(1u64 << 30) + 8, u64::MAX - 8..=u64::MAX],
+        len in proptest::prop_oneof![0u64..8192, (1u64 << 20) - 2..(1u64 << 20) + 2],
+        remote_len_delta in proptest::prop_oneof![proptest::strategy::Just(0i64), -1i64..=1],
+        remote_addr in proptest::prop_oneof![0x9000_0000u64..0x9000_1000, u64::MAX - 4096..=u64::MAX],
+        read in proptest::bool::ANY,
+        notify in proptest::bool::ANY,
+        failed in proptest::bool::ANY,
+    ) {
+        let mut fx = Fx::new();
+        if failed {
+            fx.core.fail_connection(fx.conn, "test", &TransferError::Flushed);
+        }
+        let op = if read { Op::Read } else { Op::Write };
+        let local = LocalDesc { region, offset, len };
+        let remote = RemoteDesc {
+            addr: remote_addr,
+            len: len.saturating_add_signed(remote_len_delta),
+            rkey: 9,
+        };
+        let mut general = fx.core.take_plan();
+        let expected =
+            fx.core.plan_transfer(fx.conn, op, &[REGION], &[local], &[remote], notify, &mut general);
+        let mut single = fx.core.take_plan();
+        let got = fx.core.plan_single(fx.conn, op, &REGION, &local, &remote, notify, &mut single);
+        match (&expected, got) {
+            (Ok(epoch), Some(e)) => {
+                proptest::prop_assert_eq!(*epoch, e);
+                proptest::prop_assert_eq!(&general, &single);
+            }
+            (Ok(_), None) => proptest::prop_assert!(
+                general.wrs.len() > 1,
+                "a valid one-request transfer was left to the general planner: {general:?}"
+            ),
+            (Err(e), Some(_)) => proptest::prop_assert!(false, "planned what the general planner refuses: {e}"),
+            (Err(_), None) => {}
+        }
+    }
+}

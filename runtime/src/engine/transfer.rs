@@ -438,6 +438,21 @@ fn check_and_plan(
     plan: &mut Plan,
 ) -> Result<u64, TransferError> {
     let core = inner.core.borrow();
+    // One descriptor a side in one region, valid and fitting one request (most small
+    // transfers): planned directly. Anything else, errors included, takes the general path.
+    if let ([r], [d], [rd]) = (local.regions(), local.descs(), &remote.0[..]) {
+        if r.registration().is_some() && r.engine_id() == inner.id {
+            let info = RegionInfo {
+                addr: r.addr(),
+                len: r.len(),
+                lkey: r.lkey(),
+                host: !r.is_gpu(),
+            };
+            if let Some(epoch) = core.plan_single(conn, op, &info, d, rd, notify_imm, plan) {
+                return Ok(epoch);
+            }
+        }
+    }
     // The notification and the connection are checked before the descriptors.
     core.check_transfer(conn, op, notify_imm)?;
     // Most transfers use one or two regions: no heap allocation for them.
