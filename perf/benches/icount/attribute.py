@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Attributes the icount plugin's user-space block counts of one interval to functions.
 
-usage: attribute.py COUNTS MARK VCPU BINARY MAPS [TOP [FUNCTION]]
+usage: attribute.py COUNTS MARK VCPU BINARY MAPS [TOP [FUNCTION]]   (kernel blocks: MAPS dir/kallsyms)
 COUNTS is the plugin's output, MARK the number of the marker that ends the interval, VCPU the
 vCPU to read, BINARY the executable and MAPS a copy of its /proc/PID/maps from that run (to place
 its text and its libraries). Prints the instructions per function, largest first; with
@@ -61,11 +61,26 @@ def symbols(path):
     return syms
 
 
+# The guest kernel's symbols (run.sh keeps them next to the maps).
+kallsyms = []
+try:
+    for line in open(maps.rsplit("/", 1)[0] + "/kallsyms"):
+        f = line.split()
+        if len(f) >= 3 and f[1] in "tTwW":
+            kallsyms.append((int(f[0], 16), f[2]))
+except OSError:
+    pass
+kallsyms.sort()
+
 per = collections.Counter()
 inside = []
 total = 0
 for vaddr, n in blocks:
     total += n
+    if vaddr >= 0xFFFF800000000000:
+        i = bisect.bisect_right(kallsyms, (vaddr, "\uffff")) - 1
+        per[f"[kernel]: {kallsyms[i][1] if i >= 0 else '?'}"] += n
+        continue
     seg = next((s for s in segs if s[0] <= vaddr < s[1]), None)
     if seg is None:
         per["?"] += n
@@ -79,7 +94,7 @@ for vaddr, n in blocks:
     if focus and focus in name:
         inside.append((n, off, seg[3]))
 
-print(f"{total} instructions in blocks over the plugin's threshold")
+print(f"{total} instructions in blocks over the plugin's threshold (user and kernel)")
 for name, n in per.most_common(top):
     print(f"{n:>12} {100 * n / total:5.1f}%  {name}")
 

@@ -1,13 +1,13 @@
 /*
  * icount: a QEMU TCG plugin that counts the guest instructions executed, per vCPU, split into
- * user and kernel space, between two markers, with a per-translation-block histogram of the
- * user-space instructions (an exact, noise-free instruction profile of the rxe guest).
+ * user and kernel space, between two markers, with a per-translation-block histogram (an
+ * exact, noise-free instruction profile of the rxe guest).
  *
  * A marker is the instruction `xchg %bx,%bx` (66 87 db) executed in user space (`icount-mark`).
  * Each marker appends to the output file the counts since the previous marker and resets them:
  *   mark <n>
  *   vcpu <i> user <insns> kernel <insns>
- *   tb <vcpu> <vaddr hex> <insns> <runs>   (user blocks with at least `min` instructions)
+ *   tb <vcpu> <vaddr hex> <insns> <runs>   (blocks with at least `min` instructions)
  *
  * Usage: qemu ... -plugin /path/libicount.so,out=/path/counts.txt[,min=1000]
  * Built against QEMU's plugin ABI version 1 (QEMU 7.2); only the declarations it uses are
@@ -43,7 +43,7 @@ __attribute__((visibility("default"))) int qemu_plugin_version = 1;
 #define MAX_VCPUS 8
 #define KERNEL_START 0xffff800000000000ull
 
-/* One translated user block; retranslations get their own (summed when dumped). */
+/* One translated block; retranslations get their own (summed when dumped). */
 struct block {
     uint64_t vaddr;
     uint64_t insns;
@@ -58,10 +58,12 @@ static FILE *out;
 static uint64_t min_insns = 1000;
 static unsigned marks;
 
-static void on_kernel_tb(unsigned int vcpu, void *n)
+static void on_kernel_tb(unsigned int vcpu, void *b)
 {
+    struct block *blk = b;
     if (vcpu < MAX_VCPUS) {
-        kernel[vcpu] += (uintptr_t)n;
+        kernel[vcpu] += blk->insns;
+        blk->runs[vcpu]++;
     }
 }
 
@@ -132,11 +134,6 @@ static void on_trans(qemu_plugin_id_t id, struct qemu_plugin_tb *tb)
     (void)id;
     uint64_t vaddr = qemu_plugin_tb_vaddr(tb);
     size_t n = qemu_plugin_tb_n_insns(tb);
-    if (vaddr >= KERNEL_START) {
-        qemu_plugin_register_vcpu_tb_exec_cb(tb, on_kernel_tb, QEMU_PLUGIN_CB_NO_REGS,
-                                             (void *)(uintptr_t)n);
-        return;
-    }
     struct block *b = calloc(1, sizeof *b);
     b->vaddr = vaddr;
     b->insns = n;
@@ -144,7 +141,11 @@ static void on_trans(qemu_plugin_id_t id, struct qemu_plugin_tb *tb)
     b->next = blocks;
     blocks = b;
     pthread_mutex_unlock(&lock);
-    qemu_plugin_register_vcpu_tb_exec_cb(tb, on_user_tb, QEMU_PLUGIN_CB_NO_REGS, b);
+    qemu_plugin_register_vcpu_tb_exec_cb(tb, vaddr >= KERNEL_START ? on_kernel_tb : on_user_tb,
+                                         QEMU_PLUGIN_CB_NO_REGS, b);
+    if (vaddr >= KERNEL_START) {
+        return;
+    }
     for (size_t i = 0; i < n; i++) {
         struct qemu_plugin_insn *insn = qemu_plugin_tb_get_insn(tb, i);
         if (qemu_plugin_insn_size(insn) == sizeof MARK &&
