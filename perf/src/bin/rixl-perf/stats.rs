@@ -55,6 +55,7 @@ pub fn bw_from(bytes: u64, completions: &[(f64, u64)], elapsed: f64) -> BwRow {
         }
     }
     let slice = elapsed / slices as f64;
+    tracing::debug!(?per, elapsed, "completions per fifth of the run");
     let mut peak: f64 = 0.0;
     if slice > 0.0 {
         for &c in &per {
