@@ -165,15 +165,25 @@ impl<Q: SendQueue> Core<Q> {
                 // Posted by the connection's flush, which ends posting for the slot.
                 p.posted = true;
                 let n = plan.wrs.len();
-                let wrs = plan.wrs.iter().enumerate().map(|(i, wr)| QueuedWr {
+                let queued = |i: usize, wr: &crate::plan::PlannedWr| QueuedWr {
                     slot: p.slot,
                     op: request_op(p, wr.remote_addr, wr.rkey, i + 1 == n),
-                    sges: SmallVec::from_slice(plan.sges_of(wr)),
+                    sges: match plan.sges_of(wr) {
+                        [one] => smallvec::smallvec![*one],
+                        more => SmallVec::from_slice(more),
+                    },
                     host: plan.host,
                     last: i + 1 == n,
                     count: if i == 0 { n } else { 0 },
-                });
-                p.queued |= self.enqueue(p.conn, p.slot, wrs);
+                };
+                p.queued |= match &plan.wrs[..] {
+                    // One request (most small transfers): no iterator over the plan.
+                    [wr] => self.enqueue(p.conn, p.slot, [queued(0, wr)]),
+                    wrs => {
+                        let all = wrs.iter().enumerate().map(|(i, wr)| queued(i, wr));
+                        self.enqueue(p.conn, p.slot, all)
+                    }
+                };
                 return Poll::Ready(());
             }
         }
