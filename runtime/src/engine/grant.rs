@@ -16,7 +16,7 @@ use rixl_verbs::{AccessFlags, BoundWindow, MemoryWindow};
 use smallvec::smallvec;
 
 use super::nic::KeepAlive;
-use super::transfer::{wait_slot, SlotGuard};
+use super::wait::{wait_slot, SlotGuard};
 use super::Engine;
 use crate::desc::Region;
 use crate::error::{RuntimeError, TransferError};

@@ -9,6 +9,7 @@ mod grant;
 mod nic;
 mod progress;
 mod transfer;
+mod wait;
 
 use std::cell::{Cell, RefCell};
 use std::future::poll_fn;
@@ -76,7 +77,7 @@ pub(crate) struct Inner {
     pump: RefCell<Option<Box<dyn Fn()>>>,
     /// The completion buffers of a future's own reap (kept: filling fresh ones on every poll
     /// was a few hundred bytes of stores per transfer).
-    reap_buffers: RefCell<transfer::ReapBuffers>,
+    reap_buffers: RefCell<wait::ReapBuffers>,
 }
 
 /// A per-core transfer engine. Cheap to clone (all clones are the same engine); `!Send`.
