@@ -15,10 +15,10 @@ use crate::deadline::{Deadlines, Due};
 use crate::desc::{LocalDesc, Op, RegionInfo, RemoteDesc};
 use crate::error::TransferError;
 use crate::inflight::{decode_wr_id, InflightTable, Routed, SlotId};
-use crate::plan::{self, Limits, Plan, PlannedWr};
+use crate::plan::{self, Limits, Plan};
 use crate::queue::{CompletionSource, SendQueue};
 use crate::stats::{ConnId, EngineCounters, Message};
-use crate::wire::{Completion, Sge, WcOpcode};
+use crate::wire::{Completion, WcOpcode};
 
 /// Receive work requests carry this bit (send requests never do: their generation has 30 bits).
 pub const RECV_BIT: u64 = 1 << 62;
@@ -390,22 +390,7 @@ impl<Q: SendQueue> Core<Q> {
         if !fits {
             return None;
         }
-        plan.wrs.clear();
-        plan.sges.clear();
-        plan.bytes = len;
-        plan.host = region.host;
-        plan.sges.push(Sge {
-            addr: region.addr + local.offset,
-            length: len as u32,
-            lkey: region.lkey,
-        });
-        plan.wrs.push(PlannedWr {
-            remote_addr: remote.addr,
-            rkey: remote.rkey,
-            sge_start: 0,
-            sge_count: 1,
-            bytes: len,
-        });
+        plan::single_into(plan, region, local, remote);
         Some(c.epoch)
     }
 

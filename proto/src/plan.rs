@@ -184,19 +184,7 @@ pub fn plan_into(
     // request, without the general walk below (which gives the same plan).
     if let ([l], [r]) = (local, remote) {
         if l.len <= max_msg {
-            let region = regions[l.region as usize];
-            out.sges.push(Sge {
-                addr: region.addr + l.offset,
-                length: l.len as u32,
-                lkey: region.lkey,
-            });
-            out.wrs.push(PlannedWr {
-                remote_addr: r.addr,
-                rkey: r.rkey,
-                sge_start: 0,
-                sge_count: 1,
-                bytes: l.len,
-            });
+            single_into(out, &regions[l.region as usize], l, r);
             return Ok(());
         }
     }
@@ -257,6 +245,27 @@ pub fn plan_into(
     }
     out.wrs.extend(open);
     Ok(())
+}
+
+/// Plans one checked descriptor a side that fits one request into `out` (cleared first): one
+/// entry, one request.
+pub(crate) fn single_into(out: &mut Plan, region: &RegionInfo, l: &LocalDesc, r: &RemoteDesc) {
+    out.wrs.clear();
+    out.sges.clear();
+    out.bytes = l.len;
+    out.host = region.host;
+    out.sges.push(Sge {
+        addr: region.addr + l.offset,
+        length: l.len as u32,
+        lkey: region.lkey,
+    });
+    out.wrs.push(PlannedWr {
+        remote_addr: r.addr,
+        rkey: r.rkey,
+        sge_start: 0,
+        sge_count: 1,
+        bytes: l.len,
+    });
 }
 
 #[cfg(test)]

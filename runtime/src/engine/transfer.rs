@@ -419,13 +419,7 @@ fn check_and_plan(
     // transfers): planned directly. Anything else, errors included, takes the general path.
     if let ([r], [d], [rd]) = (local.regions(), local.descs(), &remote.0[..]) {
         if r.registration().is_some() && r.engine_id() == inner.id {
-            let info = RegionInfo {
-                addr: r.addr(),
-                len: r.len(),
-                lkey: r.lkey(),
-                host: !r.is_gpu(),
-            };
-            if let Some(epoch) = core.plan_single(conn, op, &info, d, rd, notify_imm, plan) {
+            if let Some(epoch) = core.plan_single(conn, op, &info(r), d, rd, notify_imm, plan) {
                 return Ok(epoch);
             }
         }
@@ -448,12 +442,7 @@ fn check_and_plan(
         if r.engine_id() != inner.id {
             return Err(InvalidDescriptor::ForeignRegion { index: index() }.into());
         }
-        regions.push(RegionInfo {
-            addr: r.addr(),
-            len: r.len(),
-            lkey: r.lkey(),
-            host: !r.is_gpu(),
-        });
+        regions.push(info(r));
     }
     core.plan_transfer(
         conn,
@@ -464,6 +453,16 @@ fn check_and_plan(
         notify_imm,
         plan,
     )
+}
+
+/// What the core needs to know of a local region to plan with it.
+fn info(r: &Region) -> RegionInfo {
+    RegionInfo {
+        addr: r.addr(),
+        len: r.len(),
+        lkey: r.lkey(),
+        host: !r.is_gpu(),
+    }
 }
 
 /// A READ or WRITE: check and plan, post, wait. `span`: the transfer's, when enabled.
