@@ -81,6 +81,22 @@ fn landing(peer: &RemoteDesc, size: u64) -> RemoteDescList {
     }])
 }
 
+/// Posts the `Xfer` `$x` on the engine `$e` and awaits it inside the caller's future (a method
+/// would be one more future, moved when it starts, per transfer; perftest's loops post
+/// directly). `Res<()>`.
+macro_rules! run_xfer {
+    ($e:expr, $x:expr) => {{
+        let x: &Xfer = $x;
+        let opts = TransferOptions::default();
+        match &x.prepared {
+            Some(p) => $e.post(p, opts).await,
+            None => $e.transfer(x.conn, x.op, &x.local, &x.remote, opts).await,
+        }
+        .map(|_| ())
+        .map_err(s)
+    }};
+}
+
 fn s<E: std::fmt::Display>(e: E) -> String {
     e.to_string()
 }
@@ -228,7 +244,7 @@ async fn server(a: Args) -> Res<()> {
                             .await
                             .map_err(s)?;
                         region.write_at(size - 1, &[v]).map_err(s)?;
-                        pong.run(&engine).await?;
+                        run_xfer!(engine, &pong)?;
                         continue;
                     }
                     engine.recv(conn0).await.map_err(s)?;
@@ -419,19 +435,6 @@ impl Xfer {
             prepared,
         })
     }
-
-    async fn run(&self, e: &Engine) -> Res<()> {
-        let opts = TransferOptions::default();
-        match &self.prepared {
-            Some(p) => e.post(p, opts).await,
-            None => {
-                e.transfer(self.conn, self.op, &self.local, &self.remote, opts)
-                    .await
-            }
-        }
-        .map(|_| ())
-        .map_err(s)
-    }
 }
 
 /// One engine's share of a bandwidth run: completion stamps (seconds since `t0`, messages),
@@ -516,15 +519,7 @@ async fn bw_run(
                 } else if send {
                     e.send(conns[k].0, &payload, None).await.map_err(s)?;
                 } else {
-                    // The engine's future awaited here, not through `Xfer::run`: one future
-                    // layer less per transfer, as perftest's loop posts directly.
-                    let x: &Xfer = &xfers[k];
-                    let opts = TransferOptions::default();
-                    match &x.prepared {
-                        Some(p) => e.post(p, opts).await,
-                        None => e.transfer(x.conn, x.op, &x.local, &x.remote, opts).await,
-                    }
-                    .map_err(s)?;
+                    run_xfer!(e, &xfers[k])?;
                 }
                 unstamped += post_list;
                 if unstamped >= stamp_every {
@@ -665,7 +660,7 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                         )?;
                         for i in 0..total {
                             let t = cycles::ticks();
-                            read.run(&c.engine).await?;
+                            run_xfer!(c.engine, &read)?;
                             if i >= warm {
                                 samples.push(cycles::ticks().wrapping_sub(t));
                             }
@@ -711,7 +706,7 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                                     .await
                                     .map_err(s)?;
                             } else if notify == Notify::Flag {
-                                ping.run(&c.engine).await?;
+                                run_xfer!(c.engine, &ping)?;
                             } else {
                                 let mut o = TransferOptions::default();
                                 o.notify_imm = Some(i as u32);
@@ -766,7 +761,7 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                             )?;
                             for i in 0..total {
                                 let t = cycles::ticks();
-                                write.run(&c.engine).await?;
+                                run_xfer!(c.engine, &write)?;
                                 if i >= warm {
                                     one.push(cycles::ticks().wrapping_sub(t));
                                 }
