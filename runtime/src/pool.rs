@@ -86,15 +86,14 @@ impl EnginePool {
                     tracing::error!(cpu, waited = ?stall, "the engine did not start in time");
                     RuntimeError::EngineStalled(stall)
                 }
-                answered => {
-                    // The thread has answered (or died): it ends now.
+                // The thread has answered, or died: it ends now.
+                Ok(Err(e)) => {
                     let _ = join.join();
-                    match answered {
-                        Ok(Err(e)) => e,
-                        _ => RuntimeError::Executor(format!(
-                            "executor on CPU {cpu} died while starting"
-                        )),
-                    }
+                    e
+                }
+                Err(RecvTimeoutError::Disconnected) => {
+                    let _ = join.join();
+                    RuntimeError::Executor(format!("executor on CPU {cpu} died while starting"))
                 }
             };
             pool.shutdown_inner();

@@ -84,19 +84,24 @@ impl Liveness {
 #[derive(Debug)]
 struct Armed {
     core: Arc<Liveness>,
-    /// The core's beats when last looked at.
-    seen: AtomicU64,
-    /// The watchdog tick at which to look again (written by the watchdog only).
-    due: AtomicU64,
     fired: AtomicBool,
     waker: AtomicWaker,
+}
+
+/// A bound as the watchdog keeps it (only its thread reads or writes `seen` and `due`).
+struct Watched {
+    armed: Arc<Armed>,
+    /// The core's beats when last looked at.
+    seen: u64,
+    /// The watchdog tick at which to look again.
+    due: u64,
 }
 
 #[derive(Debug)]
 struct Watchdog {
     /// Ticks since the watchdog started (it stands still while nothing is armed).
     now: Arc<AtomicU64>,
-    arm: mpsc::UnboundedSender<Arc<Armed>>,
+    arm: mpsc::UnboundedSender<Watched>,
 }
 
 fn watchdog() -> &'static Watchdog {
@@ -136,8 +141,8 @@ fn off_the_engine_cores() {
 /// ended, and looks at those due: a core that beat since the last look gets another stall
 /// bound; one that did not has stalled, and its call is woken to end. With nothing armed, it
 /// sleeps until something is.
-fn watch(now: &AtomicU64, mut armed: mpsc::UnboundedReceiver<Arc<Armed>>) {
-    let mut live: Vec<Arc<Armed>> = Vec::new();
+fn watch(now: &AtomicU64, mut armed: mpsc::UnboundedReceiver<Watched>) {
+    let mut live: Vec<Watched> = Vec::new();
     loop {
         if live.is_empty() {
             // The clock stands still meanwhile; a bound armed now counts from where it stands.
@@ -151,17 +156,17 @@ fn watch(now: &AtomicU64, mut armed: mpsc::UnboundedReceiver<Arc<Armed>>) {
         while let Ok(a) = armed.try_recv() {
             live.push(a);
         }
-        live.retain(|a| {
+        live.retain_mut(|w| {
+            let a = &w.armed;
             if Arc::strong_count(a) == 1 {
                 return false;
             }
-            if a.due.load(Ordering::Relaxed) > tick {
+            if w.due > tick {
                 return true;
             }
             let beats = a.core.beats.load(Ordering::Relaxed);
-            if a.seen.swap(beats, Ordering::Relaxed) != beats {
-                a.due
-                    .store(tick.saturating_add(a.core.stall_ticks()), Ordering::Relaxed);
+            if std::mem::replace(&mut w.seen, beats) != beats {
+                w.due = tick.saturating_add(a.core.stall_ticks());
                 return true;
             }
             a.core
@@ -242,17 +247,19 @@ fn arm(core: &Arc<Liveness>) -> Option<Arc<Armed>> {
     let w = watchdog();
     let a = Arc::new(Armed {
         core: Arc::clone(core),
-        seen: AtomicU64::new(core.beats.load(Ordering::Relaxed)),
-        due: AtomicU64::new(
-            w.now
-                .load(Ordering::Relaxed)
-                .saturating_add(core.stall_ticks())
-                .saturating_add(1),
-        ),
         fired: AtomicBool::new(false),
         waker: AtomicWaker::new(),
     });
-    w.arm.unbounded_send(Arc::clone(&a)).ok()?;
+    let watched = Watched {
+        armed: Arc::clone(&a),
+        seen: core.beats.load(Ordering::Relaxed),
+        due: w
+            .now
+            .load(Ordering::Relaxed)
+            .saturating_add(core.stall_ticks())
+            .saturating_add(1),
+    };
+    w.arm.unbounded_send(watched).ok()?;
     Some(a)
 }
 
