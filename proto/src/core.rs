@@ -377,17 +377,7 @@ impl<Q: SendQueue> Core<Q> {
         if matches!(c.state, ConnState::Failed(_)) {
             return None;
         }
-        let len = local.len;
-        let fits = len > 0
-            && local.region == 0
-            && remote.len == len
-            && len <= c.max_msg.clamp(1, u64::from(u32::MAX))
-            && local
-                .offset
-                .checked_add(len)
-                .is_some_and(|end| end <= region.len)
-            && remote.addr.checked_add(len).is_some();
-        if !fits {
+        if !fits_one_request(c.max_msg, region, local, remote) {
             return None;
         }
         plan::single_into(plan, region, local, remote);
@@ -645,6 +635,26 @@ impl<Q: SendQueue> Core<Q> {
 }
 
 /// A WRITE_WITH_IMM notification needs a WRITE.
+/// Whether one local descriptor (in the list's first region, `region`) and one remote one are
+/// valid together and fit one request on a connection of `max_msg`-byte messages.
+pub(crate) fn fits_one_request(
+    max_msg: u64,
+    region: &RegionInfo,
+    local: &LocalDesc,
+    remote: &RemoteDesc,
+) -> bool {
+    let len = local.len;
+    len > 0
+        && local.region == 0
+        && remote.len == len
+        && len <= max_msg.clamp(1, u64::from(u32::MAX))
+        && local
+            .offset
+            .checked_add(len)
+            .is_some_and(|end| end <= region.len)
+        && remote.addr.checked_add(len).is_some()
+}
+
 fn check_notify(op: Op, notify_imm: bool) -> Result<(), TransferError> {
     if notify_imm && op == Op::Read {
         return Err(TransferError::Post("notify_imm needs a WRITE".into()));

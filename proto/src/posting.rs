@@ -89,6 +89,43 @@ impl Posting {
     }
 }
 
+impl Posting {
+    /// A lone request's posting ([`Core::post_lone`]): posting ends with the one post that
+    /// [`Self::posted_lone`] records (a refused post records none; the slot holds the error).
+    pub(crate) fn lone(
+        conn: ConnId,
+        op: Op,
+        slot: SlotId,
+        opts: &TransferOptions,
+        timeout: Duration,
+    ) -> Posting {
+        Posting {
+            conn,
+            op,
+            slot,
+            notify_imm: opts.notify_imm,
+            timeout: Some(opts.timeout.unwrap_or(timeout)),
+            next: 0,
+            doorbells: 0,
+            bytes_posted: 0,
+            signaled_at: SmallVec::new(),
+            progress: Progress::default(),
+            started: true,
+            posted: true,
+            queued: false,
+            finished: false,
+        }
+    }
+
+    /// Records a lone request of `bytes`, signaled, posted with its own doorbell.
+    pub(crate) fn posted_lone(&mut self, bytes: u64) {
+        self.next = 1;
+        self.doorbells = 1;
+        self.bytes_posted = bytes;
+        self.signaled_at.push(bytes);
+    }
+}
+
 impl<Q: SendQueue> Core<Q> {
     /// Opens an in-flight slot for a transfer on `conn` that keeps `keep` alive until the NIC is
     /// done with it.
@@ -608,7 +645,7 @@ impl<Q: SendQueue> Core<Q> {
 
 /// The request of a READ or WRITE piece.
 /// The operation of a transfer's request: its last one carries the notification, if any.
-fn request_op(p: &Posting, remote_addr: u64, rkey: u32, last: bool) -> SendOp {
+pub(crate) fn request_op(p: &Posting, remote_addr: u64, rkey: u32, last: bool) -> SendOp {
     match (p.op, p.notify_imm) {
         (Op::Write, Some(imm)) if last => SendOp::WriteWithImm {
             remote_addr,

@@ -27,6 +27,23 @@ pub trait SendQueue {
     /// The post was refused: nothing of the batch counts as posted.
     fn post(&mut self, keeps: &[&Self::Keep]) -> Result<(), Self::Error>;
 
+    /// Posts one request with a doorbell of its own (nothing else is pushed); `keep` holds its
+    /// memory. By default [`Self::push`] and [`Self::post`]; a queue may build it directly.
+    ///
+    /// # Errors
+    /// The post was refused: nothing was posted.
+    fn post_one(
+        &mut self,
+        wr_id: u64,
+        op: SendOp,
+        sge: Sge,
+        flags: SendFlags,
+        keep: &Self::Keep,
+    ) -> Result<(), Self::Error> {
+        self.push(wr_id, op, std::slice::from_ref(&sge), flags);
+        self.post(&[keep])
+    }
+
     /// Moves the queue pair to the error state: the NIC flushes its outstanding work.
     ///
     /// # Errors

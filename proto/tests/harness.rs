@@ -11,8 +11,8 @@ use rixl_proto::harness::{counting_waker, FakeCq, FakeNic, FakeQueue, VirtualClo
 use rixl_proto::inflight::InflightTable;
 use rixl_proto::{
     recv_wr_id, Clock, Completion, ConnId, ConnParams, ConnState, Core, CoreConfig,
-    InvalidDescriptor, LocalDesc, Message, Op, Plan, Posting, RegionInfo, RemoteDesc, SendOp, Sge,
-    TransferError, TransferOptions, WcOpcode, WcStatus, INBOX_LIMIT,
+    InvalidDescriptor, LocalDesc, LoneTransfer, Message, Op, Plan, Posting, RegionInfo, RemoteDesc,
+    SendOp, Sge, TransferError, TransferOptions, WcOpcode, WcStatus, INBOX_LIMIT,
 };
 
 /// What a slot keeps alive: its strong count tells whether the core still holds it.
@@ -1789,4 +1789,195 @@ proptest::proptest! {
             (Err(_), None) => {}
         }
     }
+}
+
+/// The general path of one transfer, as the runtime takes it when the core leaves it a lone
+/// transfer: plan, open the slot, post.
+fn general_transfer(
+    fx: &mut Fx,
+    op: Op,
+    local: LocalDesc,
+    remote: RemoteDesc,
+    opts: &TransferOptions,
+) -> Result<(Posting, Poll<()>, usize), TransferError> {
+    let mut plan = fx.core.take_plan();
+    fx.core.plan_transfer(
+        fx.conn,
+        op,
+        &[REGION],
+        &[local],
+        &[remote],
+        opts.notify_imm.is_some(),
+        &mut plan,
+    )?;
+    let mut p = fx.core.begin(fx.conn, op, Rc::clone(&fx.keep), opts);
+    let r = fx
+        .core
+        .post(&mut p, &plan, &mut Context::from_waker(Waker::noop()));
+    Ok((p, r, plan.wrs.len()))
+}
+
+proptest::proptest! {
+    /// A lone transfer (checks, slot, credit and post in one call) is the general path's
+    /// transfer whenever the core takes it: the same request (id, operation, entry, flags)
+    /// with one doorbell, the same counters and the same result, refused posts included. It
+    /// takes every valid one-request transfer the general path would post at once; whatever
+    /// it leaves (errors, transfers to queue or split, no credit) it leaves untouched, so the
+    /// general path then does exactly what it would have done.
+    #[test]
+    fn post_lone_agrees_with_the_general_path(
+        offset in proptest::prop_oneof![0u64..4096, (1u64 << 30) - 4096..(1u64 << 30) + 8],
+        len in proptest::prop_oneof![0u64..8192, (1u64 << 20) - 2..(1u64 << 20) + 2],
+        remote_len_delta in proptest::prop_oneof![proptest::strategy::Just(0i64), -1i64..=1],
+        read in proptest::bool::ANY,
+        notify in proptest::bool::ANY,
+        failed in proptest::bool::ANY,
+        coalesce in proptest::bool::ANY,
+        before in proptest::prop_oneof![0u64..=2, 14u64..=17],
+        refuse in proptest::bool::ANY,
+    ) {
+        let mut cfg = config();
+        cfg.coalesce = coalesce;
+        let (mut general, mut lone) = (Fx::with(cfg.clone(), 16), Fx::with(cfg, 16));
+        for fx in [&mut general, &mut lone] {
+            // Transfers of this turn before it: with coalescing the next one is queued; 16
+            // take every credit.
+            let plan = fx.plan(Op::Write, 1, 64);
+            for _ in 0..before {
+                let _ = fx.start(&plan, TransferOptions::default());
+            }
+            if failed {
+                fx.core.fail_connection(fx.conn, "test", &TransferError::Flushed);
+            }
+            if refuse {
+                fx.nic.refuse_posts(1);
+            }
+        }
+        let op = if read { Op::Read } else { Op::Write };
+        let local = LocalDesc { region: 0, offset, len };
+        let remote = RemoteDesc {
+            addr: 0x9000_0000,
+            len: len.saturating_add_signed(remote_len_delta),
+            rkey: 9,
+        };
+        let mut opts = TransferOptions::default();
+        opts.notify_imm = notify.then_some(5);
+        let (posted_before, inflight_before) = (lone.nic.posted().len(), lone.core.inflight_len());
+        let t = LoneTransfer { conn: lone.conn, op, region: REGION, local: &local, remote: &remote, opts: &opts };
+        let keep = Rc::clone(&lone.keep);
+        let got = lone.core.post_lone(&t, || keep);
+        let expected = general_transfer(&mut general, op, local, remote, &opts);
+        match (expected, got) {
+            (Ok((mut p, Poll::Ready(()), 1)), Some(mut q)) if !p.queued() => {
+                proptest::prop_assert_eq!(general.nic.posted(), lone.nic.posted());
+                proptest::prop_assert_eq!(general.core.counters(), lone.core.counters());
+                proptest::prop_assert_eq!(general.core.inflight_len(), lone.core.inflight_len());
+                proptest::prop_assert_eq!(p.doorbells(), q.doorbells());
+                general.nic.complete_all();
+                lone.nic.complete_all();
+                let (a, b) = (general.poll_noop(&mut p), lone.poll_noop(&mut q));
+                proptest::prop_assert_eq!(&a, &b);
+                proptest::prop_assert!(a.is_ready());
+                proptest::prop_assert_eq!(p.progress(), q.progress());
+                // And what follows it sees the same core (a turn's first is taken).
+                let next = |fx: &mut Fx| general_transfer(fx, Op::Write, local, remote, &TransferOptions::default())
+                    .map(|(p, r, n)| (p.queued(), r, n, fx.nic.posted()));
+                proptest::prop_assert_eq!(next(&mut general), next(&mut lone));
+            }
+            (expected, Some(_)) => {
+                proptest::prop_assert!(false, "took what the general path does not post at once: {expected:?}");
+            }
+            (expected, None) => {
+                proptest::prop_assert_eq!(lone.nic.posted().len(), posted_before);
+                proptest::prop_assert_eq!(lone.core.inflight_len(), inflight_before);
+                proptest::prop_assert_eq!(Rc::strong_count(&lone.keep), inflight_before + 1);
+                // Untouched: the general path does on it what it did on the other.
+                let again = general_transfer(&mut lone, op, local, remote, &opts);
+                proptest::prop_assert_eq!(general.nic.posted(), lone.nic.posted());
+                proptest::prop_assert_eq!(general.core.counters(), lone.core.counters());
+                match (expected, again) {
+                    (Ok((p, r, n)), Ok((q, s, m))) => {
+                        proptest::prop_assert_eq!((r, n, p.queued()), (s, m, q.queued()));
+                        proptest::prop_assert!(
+                            r.is_pending() || n > 1 || p.queued(),
+                            "left a transfer the general path posts at once"
+                        );
+                    }
+                    (Err(e), Err(f)) => proptest::prop_assert_eq!(e.to_string(), f.to_string()),
+                    (e, f) => proptest::prop_assert!(false, "{e:?} against {f:?}"),
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_lone_transfer_whose_post_is_refused_fails_with_the_post_error_and_fails_its_connection() {
+    let mut fx = Fx::new();
+    fx.nic.refuse_posts(1);
+    let local = LocalDesc {
+        region: 0,
+        offset: 0,
+        len: 64,
+    };
+    let remote = RemoteDesc {
+        addr: 0x9000_0000,
+        len: 64,
+        rkey: 9,
+    };
+    let opts = TransferOptions::default();
+    let t = LoneTransfer {
+        conn: fx.conn,
+        op: Op::Write,
+        region: REGION,
+        local: &local,
+        remote: &remote,
+        opts: &opts,
+    };
+    let keep = Rc::clone(&fx.keep);
+    let mut p = fx.core.post_lone(&t, || keep).expect("taken");
+    assert_eq!(p.doorbells(), 0);
+    assert!(matches!(
+        fx.poll_noop(&mut p),
+        Poll::Ready(Err(TransferError::Post(_)))
+    ));
+    assert!(matches!(fx.core.state(fx.conn), Some(ConnState::Failed(_))));
+    assert_eq!(fx.held(), 0, "the slot let its memory go");
+}
+
+#[test]
+fn a_lone_transfer_that_never_completes_expires_at_its_deadline() {
+    let mut fx = Fx::new();
+    let local = LocalDesc {
+        region: 0,
+        offset: 0,
+        len: 64,
+    };
+    let remote = RemoteDesc {
+        addr: 0x9000_0000,
+        len: 64,
+        rkey: 9,
+    };
+    let opts = TransferOptions::default();
+    let t = LoneTransfer {
+        conn: fx.conn,
+        op: Op::Read,
+        region: REGION,
+        local: &local,
+        remote: &remote,
+        opts: &opts,
+    };
+    let keep = Rc::clone(&fx.keep);
+    let mut p = fx.core.post_lone(&t, || keep).expect("taken");
+    assert!(fx.poll_noop(&mut p).is_pending(), "waits: deadline armed");
+    assert_eq!(fx.tick(TIMEOUT), 1);
+    assert!(matches!(
+        fx.poll_noop(&mut p),
+        Poll::Ready(Err(TransferError::Timeout { .. }))
+    ));
+    assert_eq!(
+        fx.held(),
+        1,
+        "the NIC may still touch it: the slot keeps it"
+    );
 }

@@ -12,7 +12,8 @@ use crate::mr::{MemoryRegion, OwnedRegistration};
 use crate::mw::{BoundWindow, MemoryWindow};
 use crate::pd::ProtectionDomain;
 use crate::sys;
-use crate::wr::{RecvBatch, SendBatch};
+use crate::wr::{check_request, fill_send, sges_inside, RecvBatch, SendBatch};
+use crate::wr::{SendFlags, SendOp, Sge};
 
 /// The state of a queue pair.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -577,6 +578,52 @@ impl QueuePair {
         // deregisters before its memory is freed (the `OwnedRegistration` contract), so the NIC cannot reach freed memory through
         // these entries (see the method docs).
         unsafe { self.post_send(batch) }
+    }
+
+    /// Safe posting of one send request of the one entry `sge`, which must lie inside `buffer`
+    /// under its lkey, with a doorbell of its own: [`Self::post_send_in`] of a batch of one,
+    /// built on the stack (a lone small transfer's post, with no batch to fill and link).
+    ///
+    /// # Errors
+    /// As [`Self::post_send_in`] (the failing request's index is 0).
+    pub fn post_send_one_in<B: OwnedRegistration + ?Sized>(
+        &self,
+        wr_id: u64,
+        op: SendOp,
+        sge: Sge,
+        flags: SendFlags,
+        buffer: &B,
+    ) -> Result<()> {
+        let mut entry = sys::ibv_sge {
+            addr: sge.addr,
+            length: sge.length,
+            lkey: sge.lkey,
+        };
+        sges_inside(std::slice::from_ref(&entry), std::slice::from_ref(&buffer))?;
+        let mut wr = sys::ibv_send_wr::default();
+        fill_send(&mut wr, wr_id, op, flags);
+        check_request(
+            &self.caps,
+            self.max_message_size(),
+            1,
+            wr.send_flags,
+            u64::from(sge.length),
+        )?;
+        wr.sg_list = &mut entry;
+        wr.num_sge = 1;
+        let mut bad: *mut sys::ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: `wr` is one request (its `next` NULL) whose one entry, `entry`, lies inside
+        // the live owned registration `buffer` (checked above), which deregisters before its
+        // memory is freed; both live on this stack frame until the call returns, and the
+        // provider copies the request into its queue during the call.
+        let rc = unsafe { sys::ibv_post_send(self.raw.as_ptr(), &mut wr, &mut bad) };
+        if rc != 0 {
+            return Err(Error::PostSend {
+                index: 0,
+                source: std::io::Error::from_raw_os_error(rc.abs()),
+            });
+        }
+        Ok(())
     }
 
     /// Safe posting of receives into `buffers` (see [`Self::post_send_in`]).

@@ -8,7 +8,7 @@ use crate::sys;
 pub use rixl_proto::wire::{SendFlags, SendOp, Sge};
 
 /// The `ibv_send_flags` bits of `flags`.
-fn send_flag_bits(flags: SendFlags) -> u32 {
+pub(crate) fn send_flag_bits(flags: SendFlags) -> u32 {
     use sys::ibv_send_flags as f;
     (if flags.signaled {
         f::IBV_SEND_SIGNALED
@@ -72,32 +72,7 @@ impl SendBatch {
         let Some(wr) = self.wrs.last_mut() else {
             return;
         };
-        wr.wr_id = wr_id;
-        wr.send_flags = send_flag_bits(flags);
-        match op {
-            SendOp::Write { remote_addr, rkey } => {
-                wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
-                wr.wr.rdma = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 { remote_addr, rkey };
-            }
-            SendOp::WriteWithImm {
-                remote_addr,
-                rkey,
-                imm,
-            } => {
-                wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
-                wr.wr.rdma = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 { remote_addr, rkey };
-                wr.__bindgen_anon_1.imm_data = imm.to_be();
-            }
-            SendOp::Read { remote_addr, rkey } => {
-                wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_READ;
-                wr.wr.rdma = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 { remote_addr, rkey };
-            }
-            SendOp::Send => wr.opcode = sys::ibv_wr_opcode::IBV_WR_SEND,
-            SendOp::SendWithImm { imm } => {
-                wr.opcode = sys::ibv_wr_opcode::IBV_WR_SEND_WITH_IMM;
-                wr.__bindgen_anon_1.imm_data = imm.to_be();
-            }
-        }
+        fill_send(wr, wr_id, op, flags);
         self.spans.push((first, sges.len(), total));
     }
 
@@ -124,30 +99,7 @@ impl SendBatch {
 
     pub(crate) fn check(&self, caps: &QueuePairCapabilities, max_msg: u32) -> Result<()> {
         for (i, &(_, n, total)) in self.spans.iter().enumerate() {
-            if n as u64 > u64::from(caps.max_send_sge) {
-                return Err(Error::Limit {
-                    what: "scatter/gather entries per send request",
-                    requested: n as u64,
-                    limit: u64::from(caps.max_send_sge),
-                });
-            }
-            let flags = self.wrs[i].send_flags;
-            if flags & sys::ibv_send_flags::IBV_SEND_INLINE != 0
-                && total > u64::from(caps.max_inline_data)
-            {
-                return Err(Error::Limit {
-                    what: "inline bytes per send request",
-                    requested: total,
-                    limit: u64::from(caps.max_inline_data),
-                });
-            }
-            if total > u64::from(max_msg) {
-                return Err(Error::Limit {
-                    what: "message size",
-                    requested: total,
-                    limit: u64::from(max_msg),
-                });
-            }
+            check_request(caps, max_msg, n, self.wrs[i].send_flags, total)?;
         }
         if self.wrs.len() as u64 > u64::from(caps.max_send_wr) {
             return Err(Error::Limit {
@@ -173,7 +125,74 @@ impl SendBatch {
     }
 }
 
-fn sges_inside<B: OwnedRegistration>(sges: &[sys::ibv_sge], buffers: &[B]) -> Result<()> {
+/// Fills a zeroed send request's id, flags and operation (its entries are linked separately).
+pub(crate) fn fill_send(wr: &mut sys::ibv_send_wr, wr_id: u64, op: SendOp, flags: SendFlags) {
+    wr.wr_id = wr_id;
+    wr.send_flags = send_flag_bits(flags);
+    match op {
+        SendOp::Write { remote_addr, rkey } => {
+            wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+            wr.wr.rdma = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 { remote_addr, rkey };
+        }
+        SendOp::WriteWithImm {
+            remote_addr,
+            rkey,
+            imm,
+        } => {
+            wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
+            wr.wr.rdma = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 { remote_addr, rkey };
+            wr.__bindgen_anon_1.imm_data = imm.to_be();
+        }
+        SendOp::Read { remote_addr, rkey } => {
+            wr.opcode = sys::ibv_wr_opcode::IBV_WR_RDMA_READ;
+            wr.wr.rdma = sys::ibv_send_wr__bindgen_ty_2__bindgen_ty_1 { remote_addr, rkey };
+        }
+        SendOp::Send => wr.opcode = sys::ibv_wr_opcode::IBV_WR_SEND,
+        SendOp::SendWithImm { imm } => {
+            wr.opcode = sys::ibv_wr_opcode::IBV_WR_SEND_WITH_IMM;
+            wr.__bindgen_anon_1.imm_data = imm.to_be();
+        }
+    }
+}
+
+/// Checks one send request of `n` entries and `total` bytes, with `ibv_send_flags` `flags`,
+/// against the queue pair's limits.
+pub(crate) fn check_request(
+    caps: &QueuePairCapabilities,
+    max_msg: u32,
+    n: usize,
+    flags: u32,
+    total: u64,
+) -> Result<()> {
+    if n as u64 > u64::from(caps.max_send_sge) {
+        return Err(Error::Limit {
+            what: "scatter/gather entries per send request",
+            requested: n as u64,
+            limit: u64::from(caps.max_send_sge),
+        });
+    }
+    if flags & sys::ibv_send_flags::IBV_SEND_INLINE != 0 && total > u64::from(caps.max_inline_data)
+    {
+        return Err(Error::Limit {
+            what: "inline bytes per send request",
+            requested: total,
+            limit: u64::from(caps.max_inline_data),
+        });
+    }
+    if total > u64::from(max_msg) {
+        return Err(Error::Limit {
+            what: "message size",
+            requested: total,
+            limit: u64::from(max_msg),
+        });
+    }
+    Ok(())
+}
+
+pub(crate) fn sges_inside<B: OwnedRegistration>(
+    sges: &[sys::ibv_sge],
+    buffers: &[B],
+) -> Result<()> {
     for (i, s) in sges.iter().enumerate() {
         let inside = buffers.iter().any(|b| {
             let r = b.memory_region();

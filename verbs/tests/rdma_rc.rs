@@ -534,6 +534,83 @@ fn ten_thousand_work_requests_complete_without_cq_overflow() {
 }
 
 #[test]
+fn one_request_posts_check_their_entry_and_limits_and_move_data() {
+    let Some(ctx) = device_or_skip("one_request_posts_check_their_entry_and_limits_and_move_data")
+    else {
+        return;
+    };
+    let mut p = Pair::open(&ctx);
+    let write = SendOp::Write {
+        remote_addr: p.remote.addr,
+        rkey: p.remote.rkey,
+    };
+    let inside = sges(&p.buf, &[(4096, 4096)])[0];
+    // Refused before the NIC sees anything: an entry past the buffer, under another lkey, and
+    // inline data over the queue pair's limit.
+    let mut past = inside;
+    past.addr = p.buf.addr() + LOCAL_LEN as u64 - 100;
+    let mut foreign = inside;
+    foreign.lkey ^= 0x0100_0000;
+    for (what, sge) in [("past the end", past), ("another lkey", foreign)] {
+        match p
+            .side
+            .qp
+            .post_send_one_in(1, write, sge, SendFlags::SIGNALED, &p.buf)
+        {
+            Err(Error::InvalidArgument(_)) => {}
+            other => panic!("{what}: expected InvalidArgument, got {other:?}"),
+        }
+    }
+    let inline = SendFlags {
+        inline: true,
+        ..SendFlags::SIGNALED
+    };
+    match p.side.qp.post_send_one_in(2, write, inside, inline, &p.buf) {
+        Err(Error::Limit { what, .. }) => assert!(what.contains("inline"), "{what}"),
+        other => panic!("4 KiB inline: expected a limit error, got {other:?}"),
+    }
+    let mut buf = [rixl_verbs::WorkCompletion::default(); 4];
+    assert_eq!(
+        p.side.cq.poll(&mut buf).expect("poll"),
+        0,
+        "nothing was posted"
+    );
+    // A WRITE (inline, 64 B, then 4 KiB from the NIC's read) and a READ back into another place.
+    fill(p.buf.as_mut_slice(), 11);
+    let small = sges(&p.buf, &[(4096, 64)])[0];
+    p.side
+        .qp
+        .post_send_one_in(3, write, small, inline, &p.buf)
+        .expect("inline write");
+    assert_eq!(p.side.wait(1, TIMEOUT)[0].wr_id(), 3);
+    assert!(p.remote_bytes(0, 64) == p.buf.as_slice()[4096..4096 + 64]);
+    p.side
+        .qp
+        .post_send_one_in(4, write, inside, SendFlags::SIGNALED, &p.buf)
+        .expect("write");
+    p.side.wait(1, TIMEOUT)[0]
+        .result()
+        .expect("write completes");
+    assert!(p.remote_bytes(0, 4096) == p.buf.as_slice()[4096..8192]);
+    let read = SendOp::Read {
+        remote_addr: p.remote.addr,
+        rkey: p.remote.rkey,
+    };
+    let back = sges(&p.buf, &[(1 << 20, 4096)])[0];
+    p.side
+        .qp
+        .post_send_one_in(5, read, back, SendFlags::SIGNALED, &p.buf)
+        .expect("read");
+    p.side.wait(1, TIMEOUT)[0].result().expect("read completes");
+    let b = p.buf.as_slice();
+    assert!(
+        b[1 << 20..(1 << 20) + 4096] == b[4096..8192],
+        "READ brought back the WRITE"
+    );
+    p.finish();
+}
+
+#[test]
 fn missing_devices_are_typed_errors() {
     match DeviceList::new() {
         Err(e) => assert!(e.is_no_device(), "unexpected error: {e}"),

@@ -159,6 +159,33 @@ impl SendQueue for VerbsQueue {
         r
     }
 
+    fn post_one(
+        &mut self,
+        wr_id: u64,
+        op: SendOp,
+        sge: Sge,
+        flags: SendFlags,
+        keep: &KeepAlive,
+    ) -> Result<(), rixl_verbs::Error> {
+        // A lone transfer keeps the one region its entry lies in; anything else is checked
+        // against all it keeps, as a batch.
+        let reg = match &keep.regions[..] {
+            [r] => r.registration(),
+            _ => None,
+        };
+        let Some(reg) = reg else {
+            self.push(wr_id, op, std::slice::from_ref(&sge), flags);
+            return self.post(&[keep]);
+        };
+        probe::stamp(Point::Building);
+        probe::delay(Delay::BeforeDoorbell);
+        probe::stamp(Point::Doorbell);
+        let r = self.qp.post_send_one_in(wr_id, op, sge, flags, reg);
+        probe::stamp(Point::Rung);
+        probe::delay(Delay::AfterDoorbell);
+        r
+    }
+
     fn set_error(&mut self) -> Result<(), rixl_verbs::Error> {
         self.qp.to_error()
     }

@@ -1,0 +1,108 @@
+//! The lone transfer: one descriptor a side that fits one request, posted at once with its own
+//! doorbell when the connection is ready, has a send credit and would not coalesce it. It is
+//! most small transfers of a request-response loop (a latency hop), and it takes one call into
+//! the core: the checks, the in-flight slot, the credit and the post, with no plan in between.
+//! Anything else (errors included) is left to the general path ([`Core::plan_transfer`],
+//! [`Core::begin`], [`Core::post`]), which does the same for this case and names the errors.
+
+use crate::core::{fits_one_request, Core};
+use crate::desc::{LocalDesc, Op, RegionInfo, RemoteDesc};
+use crate::error::TransferError;
+use crate::posting::{request_op, Posting};
+use crate::queue::SendQueue;
+use crate::stats::{ConnId, TransferOptions};
+use crate::wire::{SendFlags, Sge};
+
+/// A READ or WRITE of one local descriptor (of the list's first region, `region`) to or from one
+/// remote descriptor.
+#[derive(Debug, Clone, Copy)]
+pub struct LoneTransfer<'a> {
+    /// The connection.
+    pub conn: ConnId,
+    /// READ or WRITE.
+    pub op: Op,
+    /// The local region (checked to be this engine's and registered).
+    pub region: RegionInfo,
+    /// The local descriptor.
+    pub local: &'a LocalDesc,
+    /// The remote descriptor.
+    pub remote: &'a RemoteDesc,
+    /// Its options.
+    pub opts: &'a TransferOptions,
+}
+
+impl<Q: SendQueue> Core<Q> {
+    /// Posts `t` as one signaled request with its own doorbell, in a new in-flight slot keeping
+    /// what `keep` makes alive, if it is valid, fits one request, its connection is ready with
+    /// a free send credit, and coalescing would post it at once (the first transfer of its
+    /// turn, or coalescing off). The posting ends here; wait for it with
+    /// [`Core::try_finish`] / [`Core::poll_finish`], as for any other.
+    ///
+    /// `None` (nothing changed, `keep` not called) for anything else: post it with the general
+    /// path, which plans, queues, waits for credits or names the error. A post the queue refuses
+    /// is the transfer's result and fails the connection, as on the general path.
+    pub fn post_lone(
+        &mut self,
+        t: &LoneTransfer<'_>,
+        keep: impl FnOnce() -> Q::Keep,
+    ) -> Option<Posting> {
+        if t.opts.notify_imm.is_some() && t.op == Op::Read {
+            return None;
+        }
+        let turn = self.turn;
+        let coalesce = self.cfg.coalesce;
+        let c = self.conns.get_mut(t.conn.0 as usize)?;
+        let at_once = !coalesce
+            || (c.pending.is_empty()
+                && !c.flush_scheduled
+                && (c.immediate_turn != turn || c.mode.bypass()));
+        if !at_once
+            || c.check_ready(t.conn.0).is_err()
+            || c.credits.available() == 0
+            || !fits_one_request(c.max_msg, &t.region, t.local, t.remote)
+        {
+            return None;
+        }
+        if coalesce {
+            // The first of its turn, as the general path decides it.
+            c.immediate_turn = turn;
+        }
+        let slot = self.inflight.insert(t.conn.0, keep());
+        let mut p = Posting::lone(t.conn, t.op, slot, t.opts, self.cfg.transfer_timeout);
+        let c = &mut self.conns[t.conn.0 as usize];
+        let bytes = t.local.len;
+        let op = request_op(&p, t.remote.addr, t.remote.rkey, true);
+        let flags = SendFlags {
+            inline: t.region.host && c.inline(&op, bytes),
+            ..SendFlags::SIGNALED
+        };
+        let sge = Sge {
+            addr: t.region.addr + t.local.offset,
+            length: bytes as u32,
+            lkey: t.region.lkey,
+        };
+        // (The slot was inserted just above.)
+        let posted = match self.inflight.keepalive(slot) {
+            Some(keep) => c
+                .queue
+                .post_one(slot.wr_id(true), op, sge, flags, keep)
+                .map_err(|e| TransferError::Post(e.to_string())),
+            None => Err(TransferError::EngineGone),
+        };
+        match posted {
+            Ok(()) => {
+                c.credits.commit(c.credits.plan(1));
+                self.inflight.add_signaled(slot, 1);
+                self.counters.work_requests += 1;
+                self.counters.doorbells += 1;
+                p.posted_lone(bytes);
+            }
+            Err(e) => {
+                self.inflight.fail(slot, e);
+                self.fail_connection(t.conn, "post failed", &TransferError::Flushed);
+            }
+        }
+        self.inflight.end_posting(slot);
+        Some(p)
+    }
+}
