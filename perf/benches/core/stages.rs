@@ -18,7 +18,8 @@ use std::task::{Context, Poll, Wake, Waker};
 
 use criterion::{Criterion, Throughput};
 use rixl_proto::{
-    Completion, ConnId, Core, LocalDesc, Op, Plan, RemoteDesc, TransferOptions, TransferStats,
+    Completion, ConnId, Core, LocalDesc, LoneTransfer, Op, Plan, Posting, RemoteDesc,
+    TransferOptions, TransferStats,
 };
 
 use crate::null_nic::{connected_core, NullCq, NullNic, NullQp};
@@ -47,7 +48,7 @@ impl Wake for Task {
 const STAGES: [&str; 6] = [
     "check + plan (descriptor checked, work request planned)",
     "in-flight slot (keep-alive of the regions)",
-    "build + doorbell (ibv_send_wr into the batch, null post)",
+    "build + doorbell (ibv_send_wr into the batch, null post; lone: check, slot, build, post)",
     "first wait (own CQ reaped, waker registered, deadline armed)",
     "completion (reaped, routed, future woken)",
     "result (polled again, result taken, plan recycled, stats)",
@@ -90,9 +91,31 @@ impl Fixture {
     }
 
     /// One transfer; `mark(i)` is called after stage `i` (the timing hook). Returns its stats.
-    fn transfer(&mut self, wait: bool, mut mark: impl FnMut(usize)) -> TransferStats {
+    /// `lone`: as the engine takes a one-descriptor transfer posted at once (`post_lone`: the
+    /// checks, the slot and the post in one call, stages 0 and 1 empty); else the general path.
+    fn transfer(&mut self, wait: bool, lone: bool, mut mark: impl FnMut(usize)) -> TransferStats {
         self.nic.at_doorbell.set(!wait);
         let mut cx = Context::from_waker(&self.waker);
+        // Each transfer the first of its turn, as in a request-response loop.
+        self.core.next_turn();
+        if lone {
+            mark(0);
+            mark(1);
+            let opts = TransferOptions::default();
+            let t = LoneTransfer {
+                conn: self.conn,
+                op: Op::Write,
+                region: REGION,
+                local: &self.local[0],
+                remote: &self.remote[0],
+                opts: &opts,
+            };
+            let region = &self.region;
+            let keep = || -> SmallKeep { smallvec::smallvec![Rc::clone(region)] };
+            let mut p = self.core.post_lone(&t, keep).expect("a lone transfer");
+            mark(2);
+            return self.wait(&mut p, &mut mark, 64, 1);
+        }
         // 0: the engine's check_and_plan.
         let mut plan: Plan = self.core.take_plan();
         self.core
@@ -126,13 +149,25 @@ impl Fixture {
         let (bytes, wrs) = (plan.bytes, plan.wrs.len());
         self.core.recycle_plan(plan);
         mark(2);
+        self.wait(&mut p, &mut mark, bytes, wrs)
+    }
+
+    /// Stages 3 to 5 of a posted transfer `p` (of `bytes` in `wrs` requests).
+    fn wait(
+        &mut self,
+        p: &mut Posting,
+        mark: &mut impl FnMut(usize),
+        bytes: u64,
+        wrs: usize,
+    ) -> TransferStats {
+        let mut cx = Context::from_waker(&self.waker);
         // 3: the future's first poll of its slot (the engine's wait_slot).
         let mut buf = [Completion::success(0, 0); REAP_NOW];
-        let first = match self.core.try_finish(&mut p) {
+        let first = match self.core.try_finish(p) {
             Poll::Ready(r) => Poll::Ready(r),
             Poll::Pending => {
                 self.core.reap(&mut NullCq(&self.nic), &mut buf);
-                self.core.poll_finish(&mut p, &mut cx)
+                self.core.poll_finish(p, &mut cx)
             }
         };
         mark(3);
@@ -150,7 +185,7 @@ impl Fixture {
                 assert_eq!(self.task.0.load(Ordering::Acquire), before + 1, "woken");
                 mark(4);
                 // 5: polled again.
-                match self.core.try_finish(&mut p) {
+                match self.core.try_finish(p) {
                     Poll::Ready(r) => r,
                     Poll::Pending => panic!("woken but not finished"),
                 }
@@ -194,7 +229,7 @@ fn trimmed_mean(v: &mut [u64]) -> f64 {
 }
 
 /// Mean cost of each stage in ns (see [`trimmed_mean`]), over `n` transfers of one shape.
-fn stage_means(f: &mut Fixture, wait: bool, n: usize) -> [f64; 6] {
+fn stage_means(f: &mut Fixture, wait: bool, lone: bool, n: usize) -> [f64; 6] {
     // The counter's rate.
     let (t0, c0) = (std::time::Instant::now(), ticks());
     std::thread::sleep(std::time::Duration::from_millis(50));
@@ -212,7 +247,7 @@ fn stage_means(f: &mut Fixture, wait: bool, n: usize) -> [f64; 6] {
     for _ in 0..n {
         let mut last = ticks();
         let mut at = [0u64; 6];
-        f.transfer(wait, |i| {
+        f.transfer(wait, lone, |i| {
             let now = ticks();
             at[i] = now - last;
             last = ticks();
@@ -394,26 +429,40 @@ fn spin_on<F: std::future::Future>(fut: F) -> F::Output {
 pub fn print_stage_table(n: usize) {
     let mut f = Fixture::new();
     for _ in 0..n.min(10_000) {
-        f.transfer(true, |_| {});
-        f.transfer(false, |_| {});
+        for (wait, lone) in [(true, false), (false, false), (true, true), (false, true)] {
+            f.transfer(wait, lone, |_| {});
+        }
     }
-    let wait = stage_means(&mut f, true, n);
-    let reap = stage_means(&mut f, false, n);
-    println!("\nnull_qp_stages: one 1-descriptor 64 B WRITE through the core, mean ns per stage, the slowest 1 % left out ({n} transfers each; criterion's `null_qp_await` times the whole path)");
-    println!("| stage | completion waited for (woken) | completion reaped by the future |");
-    println!("|---|---|---|");
-    for (i, s) in STAGES.iter().enumerate() {
-        let r = if i == 4 {
+    let lone_wait = stage_means(&mut f, true, true, n);
+    let lone_reap = stage_means(&mut f, false, true, n);
+    let wait = stage_means(&mut f, true, false, n);
+    let reap = stage_means(&mut f, false, false, n);
+    println!("\nnull_qp_stages: one 1-descriptor 64 B WRITE through the core, mean ns per stage, the slowest 1 % left out ({n} transfers each; criterion's `null_qp_await` times the whole path). The engine takes such a transfer, posted at once, as a lone transfer (`Core::post_lone`: stages 0-2 in one call); the general path (plan, slot, post) is every other transfer's");
+    println!("| stage | lone, completion waited for (woken) | lone, reaped by the future | general, woken | general, reaped |");
+    println!("|---|---|---|---|---|");
+    let cell = |v: &[f64; 6], i: usize, empty: bool| {
+        if empty {
             "-".to_string()
         } else {
-            format!("{:.1}", reap[i])
-        };
-        println!("| {s} | {:.1} | {r} |", wait[i]);
+            format!("{:.1}", v[i])
+        }
+    };
+    for (i, s) in STAGES.iter().enumerate() {
+        println!(
+            "| {s} | {} | {} | {} | {} |",
+            cell(&lone_wait, i, i < 2),
+            cell(&lone_reap, i, i < 2 || i == 4),
+            cell(&wait, i, false),
+            cell(&reap, i, i == 4)
+        );
     }
+    let sum = |v: &[f64; 6]| v.iter().sum::<f64>();
     println!(
-        "| **sum** | **{:.1}** | **{:.1}** |",
-        wait.iter().sum::<f64>(),
-        reap.iter().sum::<f64>()
+        "| **sum** | **{:.1}** | **{:.1}** | **{:.1}** | **{:.1}** |",
+        sum(&lone_wait),
+        sum(&lone_reap),
+        sum(&wait),
+        sum(&reap)
     );
     let calls = (n / 20).max(200);
     let awake = std::time::Duration::from_secs(1);
@@ -460,7 +509,17 @@ pub fn bench_null_qp_await(c: &mut Criterion) {
     let mut g = c.benchmark_group("null_qp_await");
     g.throughput(Throughput::Elements(1));
     let mut f = Fixture::new();
-    g.bench_function("write_64B_woken", |b| b.iter(|| f.transfer(true, |_| {})));
-    g.bench_function("write_64B_reaped", |b| b.iter(|| f.transfer(false, |_| {})));
+    g.bench_function("write_64B_woken", |b| {
+        b.iter(|| f.transfer(true, false, |_| {}))
+    });
+    g.bench_function("write_64B_reaped", |b| {
+        b.iter(|| f.transfer(false, false, |_| {}))
+    });
+    g.bench_function("lone_write_64B_woken", |b| {
+        b.iter(|| f.transfer(true, true, |_| {}))
+    });
+    g.bench_function("lone_write_64B_reaped", |b| {
+        b.iter(|| f.transfer(false, true, |_| {}))
+    });
     g.finish();
 }
