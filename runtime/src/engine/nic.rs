@@ -80,6 +80,8 @@ pub(crate) struct VerbsQueue {
     /// This side's initial packet sequence number (applied when the connection completes).
     pub psn: u32,
     batch: SendBatch,
+    /// A receive buffer posted again (kept, so a received message allocates no request list).
+    repost: RecvBatch,
     recv_region: Region,
     max_message: u32,
 }
@@ -90,6 +92,7 @@ impl VerbsQueue {
             qp,
             psn,
             batch: SendBatch::with_capacity(64, 4),
+            repost: RecvBatch::default(),
             recv_region,
             max_message,
         }
@@ -199,9 +202,11 @@ impl SendQueue for VerbsQueue {
     }
 
     fn repost_recv(&mut self, wr_id: u64, index: u32) -> Result<(), rixl_verbs::Error> {
-        let mut r = RecvBatch::default();
-        r.push(wr_id, &[self.recv_sge(index)]);
-        self.qp.post_recv_in(&mut r, self.recv_region.nic_slice())
+        let sge = self.recv_sge(index);
+        self.repost.clear();
+        self.repost.push(wr_id, &[sge]);
+        self.qp
+            .post_recv_in(&mut self.repost, self.recv_region.nic_slice())
     }
 }
 
