@@ -584,13 +584,13 @@ impl<Q: SendQueue> Core<Q> {
                 .conns
                 .get(conn.0 as usize)
                 .is_some_and(|c| c.inline(&op, u64::from(sge.length)));
-        self.post_control(conn, op_kind(op), keep, |q, wr_id| {
-            let flags = SendFlags {
-                inline,
-                ..SendFlags::SIGNALED
-            };
-            q.push(wr_id, op, &[sge], flags);
-            Ok(())
+        let flags = SendFlags {
+            inline,
+            ..SendFlags::SIGNALED
+        };
+        // One request with its own doorbell, built by the queue directly.
+        self.post_signaled(conn, op_kind(op), keep, |q, wr_id, keep| {
+            q.post_one(wr_id, op, sge, flags, keep)
         })
     }
 
@@ -608,6 +608,21 @@ impl<Q: SendQueue> Core<Q> {
         keep: Q::Keep,
         post: impl FnOnce(&mut Q, u64) -> Result<(), Q::Error>,
     ) -> Posting {
+        self.post_signaled(conn, op, keep, |q, wr_id, keep| {
+            post(q, wr_id)?;
+            q.post(&[keep])
+        })
+    }
+
+    /// [`Core::post_control`] with `post` ringing the doorbell itself (given what the slot
+    /// keeps alive).
+    fn post_signaled(
+        &mut self,
+        conn: ConnId,
+        op: Op,
+        keep: Q::Keep,
+        post: impl FnOnce(&mut Q, u64, &Q::Keep) -> Result<(), Q::Error>,
+    ) -> Posting {
         let mut p = self.begin(conn, op, keep, &TransferOptions::default());
         p.started = true;
         p.posted = true;
@@ -619,11 +634,10 @@ impl<Q: SendQueue> Core<Q> {
         } = self;
         let posted = match conns.get_mut(conn.0 as usize) {
             None => Err(unknown(conn.0)),
-            Some(c) => {
-                let keep = inflight.keepalive(p.slot);
-                match post(&mut c.queue, p.slot.wr_id(true))
-                    .and_then(|()| c.queue.post(keep.as_slice()))
-                {
+            // (The slot was opened just above.)
+            Some(c) => match inflight.keepalive(p.slot) {
+                None => Err(TransferError::EngineGone),
+                Some(keep) => match post(&mut c.queue, p.slot.wr_id(true), keep) {
                     Ok(()) => {
                         c.credits.commit(c.credits.plan(1));
                         inflight.add_signaled(p.slot, 1);
@@ -632,8 +646,8 @@ impl<Q: SendQueue> Core<Q> {
                         Ok(())
                     }
                     Err(e) => Err(TransferError::Post(e.to_string())),
-                }
-            }
+                },
+            },
         };
         if let Err(e) = posted {
             self.inflight.fail(p.slot, e);
