@@ -69,7 +69,6 @@ impl<Q: SendQueue> Core<Q> {
         }
         let slot = self.inflight.insert(t.conn.0, keep());
         let mut p = Posting::lone(t.conn, t.op, slot, t.opts, self.cfg.transfer_timeout);
-        let c = &mut self.conns[t.conn.0 as usize];
         let bytes = t.local.len;
         let op = request_op(&p, t.remote.addr, t.remote.rkey, true);
         let flags = SendFlags {

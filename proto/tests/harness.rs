@@ -1911,10 +1911,8 @@ proptest::proptest! {
     }
 }
 
-#[test]
-fn a_lone_transfer_whose_post_is_refused_fails_with_the_post_error_and_fails_its_connection() {
-    let mut fx = Fx::new();
-    fx.nic.refuse_posts(1);
+/// A lone 64 B transfer (`op`) that the core takes, posted.
+fn lone_64(fx: &mut Fx, op: Op) -> Posting {
     let local = LocalDesc {
         region: 0,
         offset: 0,
@@ -1928,14 +1926,21 @@ fn a_lone_transfer_whose_post_is_refused_fails_with_the_post_error_and_fails_its
     let opts = TransferOptions::default();
     let t = LoneTransfer {
         conn: fx.conn,
-        op: Op::Write,
+        op,
         region: REGION,
         local: &local,
         remote: &remote,
         opts: &opts,
     };
     let keep = Rc::clone(&fx.keep);
-    let mut p = fx.core.post_lone(&t, || keep).expect("taken");
+    fx.core.post_lone(&t, || keep).expect("taken")
+}
+
+#[test]
+fn a_lone_transfer_whose_post_is_refused_fails_with_the_post_error_and_fails_its_connection() {
+    let mut fx = Fx::new();
+    fx.nic.refuse_posts(1);
+    let mut p = lone_64(&mut fx, Op::Write);
     assert_eq!(p.doorbells(), 0);
     assert!(matches!(
         fx.poll_noop(&mut p),
@@ -1948,27 +1953,7 @@ fn a_lone_transfer_whose_post_is_refused_fails_with_the_post_error_and_fails_its
 #[test]
 fn a_lone_transfer_that_never_completes_expires_at_its_deadline() {
     let mut fx = Fx::new();
-    let local = LocalDesc {
-        region: 0,
-        offset: 0,
-        len: 64,
-    };
-    let remote = RemoteDesc {
-        addr: 0x9000_0000,
-        len: 64,
-        rkey: 9,
-    };
-    let opts = TransferOptions::default();
-    let t = LoneTransfer {
-        conn: fx.conn,
-        op: Op::Read,
-        region: REGION,
-        local: &local,
-        remote: &remote,
-        opts: &opts,
-    };
-    let keep = Rc::clone(&fx.keep);
-    let mut p = fx.core.post_lone(&t, || keep).expect("taken");
+    let mut p = lone_64(&mut fx, Op::Read);
     assert!(fx.poll_noop(&mut p).is_pending(), "waits: deadline armed");
     assert_eq!(fx.tick(TIMEOUT), 1);
     assert!(matches!(
