@@ -1838,7 +1838,7 @@ proptest::proptest! {
     ) {
         let mut cfg = config();
         cfg.coalesce = coalesce;
-        let (mut general, mut lone) = (Fx::with(cfg.clone(), 16), Fx::with(cfg, 16));
+        let (mut general, mut lone) = (Fx::with(cfg, 16), Fx::with(cfg, 16));
         for fx in [&mut general, &mut lone] {
             // Transfers of this turn before it: with coalescing the next one is queued; 16
             // take every credit.
