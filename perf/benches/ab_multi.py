@@ -26,6 +26,7 @@ res = {}
 for r in range(rounds):
     order = names if r % 2 == 0 else names[::-1]
     for t, size, n in tests:
+        retries = {}
         for name in order:
             try:
                 m = measure("perftest" if name == "perftest" else "rixl", t, size, n, 1, bins[name][0] if name in bins else None, bins[name][1].split() if name in bins and len(bins[name]) > 1 else ())
@@ -33,7 +34,8 @@ for r in range(rounds):
                 print("ERR", r, t, name, str(e)[-200:], flush=True); continue
             key = "t_typical" if t.endswith("_lat") else "bw_avg"
             res.setdefault((t, size, name), []).append(m[key])
-        print(r, t, size, {k: res.get((t, size, k), [None])[-1] for k in names}, flush=True)
+            retries[name] = m.get("retries")
+        print(r, t, size, {k: res.get((t, size, k), [None])[-1] for k in names}, "rxe retries", retries, flush=True)
 for t, size, _ in tests:
     p = res[(t, size, "perftest")]
     for name in names:

@@ -75,13 +75,29 @@ def tuned_flags(test, size, post_list):
     return None
 
 
+def rxe_retries():
+    """The device's count of transport retries (rxe's `completer_retry_err`: a request sent
+    again after its ACK was late or a NAK came), or None where the counter is absent. rxe
+    retries now and then for either tool, and a retry can cost a round tens of milliseconds, so
+    each round's count is printed beside its rate."""
+    path = f"/sys/class/infiniband/{DEV}/ports/1/hw_counters/completer_retry_err"
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def measure(tool, test, size, iters, post_list, rixl, extra=()):
     iters = -(-iters // post_list) * post_list  # perftest wants a multiple of the post list
     s, c = tool_cmds(tool, test, size, iters, post_list, rixl, extra)
+    before = rxe_retries()
     row = parse_row(run_pair(s, c), size)
+    after = rxe_retries()
+    retries = after - before if before is not None and after is not None else None
     if test.endswith("_bw"):
-        return {"bw_avg": row[2], "msg_rate": row[3]}  # MiB/s, Mpps
-    return {"t_typical": row[3], "t_avg": row[4], "p99": row[6]}
+        return {"bw_avg": row[2], "msg_rate": row[3], "retries": retries}  # MiB/s, Mpps
+    return {"t_typical": row[3], "t_avg": row[4], "p99": row[6], "retries": retries}
 
 
 def perftest_op_time(size, iters):
@@ -236,7 +252,8 @@ def main():
         if a.baseline:
             also += f"  baseline {r['baseline']:.2f} = {r['baseline_ratio']:.2f} (rounds {r['baseline_all']})"
         paired = f" (paired {r['paired']:.2f}, at perftest's level in {r['rounds_ahead']} rounds)" if "paired" in r else ""
-        print(f"{test:9} {size:>8} B  -l {pl:<2} n={iters:<5}  perftest {r['perftest']:9.2f}  rixl {r['rixl']:9.2f} {unit:5}  rixl/perftest {r['ratio']:.2f}{paired}{also}   (rounds: perftest {r['perftest_all']}, rixl {r['rixl_all']})", flush=True)
+        retries = {t: [x["retries"] for x in res[t]] for t in ("perftest", "rixl")}
+        print(f"{test:9} {size:>8} B  -l {pl:<2} n={iters:<5}  perftest {r['perftest']:9.2f}  rixl {r['rixl']:9.2f} {unit:5}  rixl/perftest {r['ratio']:.2f}{paired}{also}   (rounds: perftest {r['perftest_all']}, rixl {r['rixl_all']}; rxe retries per round: perftest {retries['perftest']}, rixl {retries['rixl']})", flush=True)
     awaits = []
     extra = []
     for size in lat_sizes:
