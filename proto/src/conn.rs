@@ -79,11 +79,20 @@ impl CoalesceMode {
     /// In direct mode (recent flushes found no company), whether this small transfer is posted
     /// at once (not a probe).
     pub fn bypass(&mut self) -> bool {
-        if self.lonely < COALESCE_LONELY_FLUSHES {
-            return false;
+        let yes = self.would_bypass();
+        if self.lonely >= COALESCE_LONELY_FLUSHES {
+            self.seen = self.seen.wrapping_add(1);
         }
-        self.seen = self.seen.wrapping_add(1);
-        !self.seen.is_multiple_of(COALESCE_PROBE_EVERY)
+        yes
+    }
+
+    /// What [`Self::bypass`] would answer now, without counting the transfer.
+    pub fn would_bypass(&self) -> bool {
+        self.lonely >= COALESCE_LONELY_FLUSHES
+            && !self
+                .seen
+                .wrapping_add(1)
+                .is_multiple_of(COALESCE_PROBE_EVERY)
     }
 }
 
@@ -154,6 +163,32 @@ impl<Q> Connection<Q> {
             immediate_turn: 0,
             mode: CoalesceMode::default(),
         }
+    }
+
+    /// Coalescing: whether a small transfer in progress turn `turn` is posted at once: the
+    /// first of the turn with nothing queued before it (nothing queued may be overtaken, so a
+    /// probe in the queue collects the transfers that follow it in its turn), or any while the
+    /// connection's flushes find no company, but for a probe now and then. Decides only,
+    /// changing nothing: [`Self::decide_turn`] records the decision once it is acted on.
+    pub fn posts_at_once(&self, turn: u64) -> bool {
+        self.idle_queue() && (self.immediate_turn != turn || self.mode.would_bypass())
+    }
+
+    /// Records the decision for a small transfer of turn `turn` ([`Self::posts_at_once`]'s
+    /// answer, `at_once`): a transfer posted at once takes the turn, and in direct mode every
+    /// transfer after the turn's first counts towards the next probe, posted at once or not.
+    pub fn decide_turn(&mut self, turn: u64, at_once: bool) {
+        if self.idle_queue() && self.immediate_turn == turn {
+            self.mode.bypass();
+        }
+        if at_once {
+            self.immediate_turn = turn;
+        }
+    }
+
+    /// Nothing queued and no flush scheduled.
+    fn idle_queue(&self) -> bool {
+        self.pending.is_empty() && !self.flush_scheduled
     }
 
     /// Whether a request of `op` moving `bytes` is posted inline (READs never are).

@@ -52,11 +52,9 @@ impl<Q: SendQueue> Core<Q> {
         let turn = self.turn;
         let coalesce = self.cfg.coalesce;
         let c = self.conns.get_mut(t.conn.0 as usize)?;
-        let at_once = !coalesce
-            || (c.pending.is_empty()
-                && !c.flush_scheduled
-                && (c.immediate_turn != turn || c.mode.bypass()));
-        if !at_once
+        // Decided without counting: a transfer declined here is counted once, by the general
+        // path's decision.
+        if (coalesce && !c.posts_at_once(turn))
             || c.check_ready(t.conn.0).is_err()
             || c.credits.available() == 0
             || !fits_one_request(c.max_msg, &t.region, t.local, t.remote)
@@ -64,8 +62,7 @@ impl<Q: SendQueue> Core<Q> {
             return None;
         }
         if coalesce {
-            // The first of its turn, as the general path decides it.
-            c.immediate_turn = turn;
+            c.decide_turn(turn, true);
         }
         let slot = self.inflight.insert(t.conn.0, keep());
         let mut p = Posting::lone(t.conn, t.op, slot, t.opts, self.cfg.transfer_timeout);

@@ -358,15 +358,9 @@ impl<Q: SendQueue> Core<Q> {
         let turn = self.turn;
         match self.conns.get_mut(conn.0 as usize) {
             Some(c) => {
-                let idle = c.pending.is_empty() && !c.flush_scheduled;
-                // Nothing queued may be overtaken, so a probe in the queue collects the
-                // transfers that follow it in its turn.
-                if idle && (c.immediate_turn != turn || c.mode.bypass()) {
-                    c.immediate_turn = turn;
-                    true
-                } else {
-                    false
-                }
+                let at_once = c.posts_at_once(turn);
+                c.decide_turn(turn, at_once);
+                at_once
             }
             None => false,
         }

@@ -1966,3 +1966,52 @@ fn a_lone_transfer_that_never_completes_expires_at_its_deadline() {
         "the NIC may still touch it: the slot keeps it"
     );
 }
+
+#[test]
+fn a_lone_transfer_the_core_leaves_to_the_general_path_does_not_count_towards_a_probe() {
+    // Direct mode, as in the coalescing test above.
+    let mut fx = coalescing();
+    let mut first = fx.write(1);
+    fx.nic.complete_all();
+    fx.reap();
+    assert_eq!(fx.poll_noop(&mut first), Poll::Ready(Ok(())));
+    for _ in 0..rixl_proto::COALESCE_LONELY_FLUSHES {
+        let mut p = fx.write(1);
+        flush_and_complete(&mut fx, std::slice::from_mut(&mut p));
+    }
+    // Between the transfers posted at once, a lone transfer the core declines (an empty
+    // descriptor): the probe still comes after COALESCE_PROBE_EVERY - 1 of them.
+    let empty = LocalDesc {
+        region: 0,
+        offset: 0,
+        len: 0,
+    };
+    let remote = RemoteDesc {
+        addr: 0x9000_0000,
+        len: 0,
+        rkey: 9,
+    };
+    let opts = TransferOptions::default();
+    let declined = LoneTransfer {
+        conn: fx.conn,
+        op: Op::Write,
+        region: REGION,
+        local: &empty,
+        remote: &remote,
+        opts: &opts,
+    };
+    for i in 1..rixl_proto::COALESCE_PROBE_EVERY {
+        let keep = Rc::clone(&fx.keep);
+        assert!(fx.core.post_lone(&declined, || keep).is_none());
+        let mut p = fx.write(1);
+        assert!(!p.queued(), "transfer {i} posted at once");
+        fx.nic.complete_all();
+        fx.reap();
+        assert_eq!(fx.poll_noop(&mut p), Poll::Ready(Ok(())));
+    }
+    let probe = fx.write(1);
+    assert!(
+        probe.queued(),
+        "the probe, when it would have come without the declined ones"
+    );
+}
