@@ -634,7 +634,6 @@ impl<Q: SendQueue> Core<Q> {
     }
 }
 
-/// A WRITE_WITH_IMM notification needs a WRITE.
 /// Whether one local descriptor (in the list's first region, `region`) and one remote one are
 /// valid together and fit one request on a connection of `max_msg`-byte messages.
 pub(crate) fn fits_one_request(
@@ -655,6 +654,7 @@ pub(crate) fn fits_one_request(
         && remote.addr.checked_add(len).is_some()
 }
 
+/// A WRITE_WITH_IMM notification needs a WRITE.
 fn check_notify(op: Op, notify_imm: bool) -> Result<(), TransferError> {
     if notify_imm && op == Op::Read {
         return Err(TransferError::Post("notify_imm needs a WRITE".into()));

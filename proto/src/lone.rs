@@ -8,7 +8,7 @@
 use crate::core::{fits_one_request, Core};
 use crate::desc::{LocalDesc, Op, RegionInfo, RemoteDesc};
 use crate::error::TransferError;
-use crate::posting::{request_op, Posting};
+use crate::posting::{post_one_signaled, request_op, Posting};
 use crate::queue::SendQueue;
 use crate::stats::{ConnId, TransferOptions};
 use crate::wire::{SendFlags, Sge};
@@ -77,22 +77,15 @@ impl<Q: SendQueue> Core<Q> {
             length: bytes as u32,
             lkey: t.region.lkey,
         };
-        // (The slot was inserted just above.)
-        let posted = match self.inflight.keepalive(slot) {
-            Some(keep) => c
-                .queue
-                .post_one(slot.wr_id(true), op, sge, flags, keep)
-                .map_err(|e| TransferError::Post(e.to_string())),
-            None => Err(TransferError::EngineGone),
-        };
+        let posted = post_one_signaled(
+            c,
+            &mut self.inflight,
+            &mut self.counters,
+            slot,
+            |q, wr_id, keep| q.post_one(wr_id, op, sge, flags, keep),
+        );
         match posted {
-            Ok(()) => {
-                c.credits.commit(c.credits.plan(1));
-                self.inflight.add_signaled(slot, 1);
-                self.counters.work_requests += 1;
-                self.counters.doorbells += 1;
-                p.posted_lone(bytes);
-            }
+            Ok(()) => p.posted_lone(bytes),
             Err(e) => {
                 self.inflight.fail(slot, e);
                 self.fail_connection(t.conn, "post failed", &TransferError::Flushed);

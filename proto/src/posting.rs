@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use smallvec::SmallVec;
 
-use crate::conn::{unknown, QueuedWr};
+use crate::conn::{unknown, Connection, QueuedWr};
 use crate::conn::{COALESCE_MAX_WRS, COALESCE_SIGNAL_INTERVAL};
 
 /// Requests of a coalesced batch whose bookkeeping stays on the stack (the default
@@ -16,9 +16,9 @@ pub const POST_BATCH_INLINE: usize = 64;
 use crate::core::Core;
 use crate::desc::Op;
 use crate::error::TransferError;
-use crate::inflight::{SlotFailure, SlotId};
+use crate::inflight::{InflightTable, SlotFailure, SlotId};
 use crate::queue::SendQueue;
-use crate::stats::{ConnId, Progress, TransferOptions};
+use crate::stats::{ConnId, EngineCounters, Progress, TransferOptions};
 use crate::wire::{SendFlags, SendOp, Sge};
 
 /// One transfer between [`Core::begin`] and its result. The caller owns it (in its future) and
@@ -87,9 +87,7 @@ impl Posting {
     pub fn deadline_armed(&self) -> bool {
         self.timeout.is_none()
     }
-}
 
-impl Posting {
     /// A lone request's posting ([`Core::post_lone`]): posting ends with the one post that
     /// [`Self::posted_lone`] records (a refused post records none; the slot holds the error).
     pub(crate) fn lone(
@@ -620,28 +618,9 @@ impl<Q: SendQueue> Core<Q> {
         let mut p = self.begin(conn, op, keep, &TransferOptions::default());
         p.started = true;
         p.posted = true;
-        let Core {
-            conns,
-            inflight,
-            counters,
-            ..
-        } = self;
-        let posted = match conns.get_mut(conn.0 as usize) {
+        let posted = match self.conns.get_mut(conn.0 as usize) {
             None => Err(unknown(conn.0)),
-            // (The slot was opened just above.)
-            Some(c) => match inflight.keepalive(p.slot) {
-                None => Err(TransferError::EngineGone),
-                Some(keep) => match post(&mut c.queue, p.slot.wr_id(true), keep) {
-                    Ok(()) => {
-                        c.credits.commit(c.credits.plan(1));
-                        inflight.add_signaled(p.slot, 1);
-                        counters.work_requests += 1;
-                        counters.doorbells += 1;
-                        Ok(())
-                    }
-                    Err(e) => Err(TransferError::Post(e.to_string())),
-                },
-            },
+            Some(c) => post_one_signaled(c, &mut self.inflight, &mut self.counters, p.slot, post),
         };
         if let Err(e) = posted {
             self.inflight.fail(p.slot, e);
@@ -651,7 +630,27 @@ impl<Q: SendQueue> Core<Q> {
     }
 }
 
-/// The request of a READ or WRITE piece.
+/// Posts the one signaled request of `slot` on `c` with a doorbell of its own (`post` builds and
+/// rings it under the slot's request id, given what the slot keeps alive) and accounts for it:
+/// one send credit, one signaled request outstanding, one request and one doorbell counted.
+/// Nothing counts if the post is refused.
+pub(crate) fn post_one_signaled<Q: SendQueue>(
+    c: &mut Connection<Q>,
+    inflight: &mut InflightTable<Q::Keep>,
+    counters: &mut EngineCounters,
+    slot: SlotId,
+    post: impl FnOnce(&mut Q, u64, &Q::Keep) -> Result<(), Q::Error>,
+) -> Result<(), TransferError> {
+    // The slot is live: its caller opened it just before.
+    let keep = inflight.keepalive(slot).ok_or(TransferError::EngineGone)?;
+    post(&mut c.queue, slot.wr_id(true), keep).map_err(|e| TransferError::Post(e.to_string()))?;
+    c.credits.commit(c.credits.plan(1));
+    inflight.add_signaled(slot, 1);
+    counters.work_requests += 1;
+    counters.doorbells += 1;
+    Ok(())
+}
+
 /// The operation of a transfer's request: its last one carries the notification, if any.
 pub(crate) fn request_op(p: &Posting, remote_addr: u64, rkey: u32, last: bool) -> SendOp {
     match (p.op, p.notify_imm) {
