@@ -7,8 +7,9 @@ use std::rc::Rc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use rixl_proto::{ConnId, LoneTransfer, Message, Op, Plan, Posting, RegionInfo, SendOp, Sge};
+use rixl_proto::{ConnId, LocalDesc, LoneTransfer, Message, Op, Plan, Posting, RegionInfo};
 use rixl_proto::{DescriptorRanges, TransferFailure, TransferOptions, TransferStats};
+use rixl_proto::{RemoteDesc, SendOp, Sge};
 use smallvec::SmallVec;
 use tracing::Instrument;
 
@@ -415,13 +416,11 @@ fn check_and_plan(
     plan: &mut Plan,
 ) -> Result<u64, TransferError> {
     let core = inner.core.borrow();
-    // One descriptor a side in one region, valid and fitting one request (most small
-    // transfers): planned directly. Anything else, errors included, takes the general path.
-    if let ([r], [d], [rd]) = (local.regions(), local.descs(), &remote.0[..]) {
-        if r.registration().is_some() && r.engine_id() == inner.id {
-            if let Some(epoch) = core.plan_single(conn, op, &info(r), d, rd, notify_imm, plan) {
-                return Ok(epoch);
-            }
+    // One descriptor a side (most small transfers): planned directly if valid and fitting one
+    // request. Anything else, errors included, takes the general path.
+    if let Some((r, d, rd)) = one_each(inner, local, remote) {
+        if let Some(epoch) = core.plan_single(conn, op, &info(r), d, rd, notify_imm, plan) {
+            return Ok(epoch);
         }
     }
     // The notification and the connection are checked before the descriptors.
@@ -455,6 +454,36 @@ fn check_and_plan(
     )
 }
 
+/// The region and descriptors of a transfer of one descriptor a side in one region registered
+/// with this engine: the shape the core's one-request paths take.
+fn one_each<'a>(
+    inner: &Inner,
+    local: &'a LocalDescList,
+    remote: &'a RemoteDescList,
+) -> Option<(&'a Region, &'a LocalDesc, &'a RemoteDesc)> {
+    match (local.regions(), local.descs(), &remote.0[..]) {
+        ([r], [d], [rd]) if r.registration().is_some() && r.engine_id() == inner.id => {
+            Some((r, d, rd))
+        }
+        _ => None,
+    }
+}
+
+/// `stats` with its times: checking and planning from `t0` to `prepared`, posting from
+/// `prepared` to `posted`, the whole from `t0` to `end` (all `None` with timing off).
+fn timed(
+    mut stats: TransferStats,
+    t0: Option<Instant>,
+    prepared: Option<Instant>,
+    posted: Option<Instant>,
+    end: Option<Instant>,
+) -> TransferStats {
+    stats.prepare = since(t0, prepared);
+    stats.post = since(prepared, posted);
+    stats.total = since(t0, end);
+    stats
+}
+
 /// What the core needs to know of a local region to plan with it.
 fn info(r: &Region) -> RegionInfo {
     RegionInfo {
@@ -479,42 +508,38 @@ async fn transfer_inner(
     let t0 = clock();
     // One descriptor a side, one request, posted at once (a latency hop): checked, given its
     // slot and credit and posted in one call into the core, with no plan.
-    if let ([r], [d], [rd]) = (local.regions(), local.descs(), &remote.0[..]) {
-        if r.registration().is_some() && r.engine_id() == inner.id {
-            let lone = LoneTransfer {
-                conn,
-                op,
-                region: info(r),
-                local: d,
-                remote: rd,
-                opts: &opts,
-            };
-            let keep = || KeepAlive {
-                regions: smallvec::smallvec![r.clone()],
-                _message: None,
-            };
-            let posting = inner.core.borrow_mut().post_lone(&lone, keep);
-            if let Some(posting) = posting {
-                if let Some(span) = span {
-                    span.record("bytes", d.len);
-                    span.record("wrs", 1);
-                }
-                inner.kick_progress();
-                let mut guard = SlotGuard {
-                    inner: Rc::clone(inner),
-                    posting,
-                };
-                let posted = clock();
-                crate::supervise::fail_point("rixl-transfer-posted");
-                wait_slot(&mut guard)
-                    .await
-                    .map_err(|e| failed(e, &guard, [d.len]))?;
-                // The checks are part of the post here.
-                let mut stats = TransferStats::new(d.len, 1, 1, guard.posting.doorbells());
-                stats.post = since(t0, posted);
-                stats.total = since(t0, clock());
-                return Ok(stats);
+    if let Some((r, d, rd)) = one_each(inner, local, remote) {
+        let lone = LoneTransfer {
+            conn,
+            op,
+            region: info(r),
+            local: d,
+            remote: rd,
+            opts: &opts,
+        };
+        let keep = || KeepAlive {
+            regions: smallvec::smallvec![r.clone()],
+            _message: None,
+        };
+        let posting = inner.core.borrow_mut().post_lone(&lone, keep);
+        if let Some(posting) = posting {
+            if let Some(span) = span {
+                span.record("bytes", d.len);
+                span.record("wrs", 1);
             }
+            inner.kick_progress();
+            let mut guard = SlotGuard {
+                inner: Rc::clone(inner),
+                posting,
+            };
+            let posted = clock();
+            crate::supervise::fail_point("rixl-transfer-posted");
+            wait_slot(&mut guard)
+                .await
+                .map_err(|e| failed(e, &guard, [d.len]))?;
+            // The checks are part of the post here.
+            let stats = TransferStats::new(d.len, 1, 1, guard.posting.doorbells());
+            return Ok(timed(stats, t0, t0, posted, clock()));
         }
     }
     let mut plan = inner.core.borrow_mut().take_plan();
@@ -544,12 +569,8 @@ async fn transfer_inner(
     wait_slot(&mut guard)
         .await
         .map_err(|e| failed(e, &guard, local.descs().iter().map(|d| d.len)))?;
-    let mut stats =
-        TransferStats::new(bytes, local.len(), work_requests, guard.posting.doorbells());
-    stats.prepare = since(t0, prepared);
-    stats.post = since(prepared, posted);
-    stats.total = since(t0, clock());
-    Ok(stats)
+    let stats = TransferStats::new(bytes, local.len(), work_requests, guard.posting.doorbells());
+    Ok(timed(stats, t0, prepared, posted, clock()))
 }
 
 async fn post_prepared(
@@ -575,15 +596,13 @@ async fn post_prepared(
     wait_slot(&mut guard)
         .await
         .map_err(|e| failed(e, &guard, p.lens.iter().copied()))?;
-    let mut stats = TransferStats::new(
+    let stats = TransferStats::new(
         p.plan.bytes,
         p.descriptors,
         p.plan.wrs.len(),
         guard.posting.doorbells(),
     );
-    stats.post = since(t0, posted);
-    stats.total = since(t0, clock());
-    Ok(stats)
+    Ok(timed(stats, t0, t0, posted, clock()))
 }
 
 /// Takes an in-flight slot for `plan` (keeping `regions` registered until the NIC is done) and
