@@ -8,7 +8,7 @@ use crate::sys;
 pub use rixl_proto::wire::{SendFlags, SendOp, Sge};
 
 /// The `ibv_send_flags` bits of `flags`.
-pub(crate) fn send_flag_bits(flags: SendFlags) -> u32 {
+fn send_flag_bits(flags: SendFlags) -> u32 {
     use sys::ibv_send_flags as f;
     (if flags.signaled {
         f::IBV_SEND_SIGNALED

@@ -136,23 +136,12 @@ impl SendQueue for VerbsQueue {
     }
 
     fn post(&mut self, keeps: &[&KeepAlive]) -> Result<(), rixl_verbs::Error> {
-        // One transfer of one region (a lone small transfer): its registration alone, without
-        // collecting.
-        let one = match keeps {
-            [k] => match &k.regions[..] {
-                [r] => Some(r.registration()),
-                _ => None,
-            },
-            _ => None,
-        };
-        // On the stack for a batch of up to the default `post_batch` transfers.
-        let regs: SmallVec<[&dyn OwnedRegistration; rixl_proto::POST_BATCH_INLINE]> = match one {
-            Some(reg) => reg.into_iter().collect(),
-            None => keeps
-                .iter()
-                .flat_map(|k| k.regions.iter().filter_map(Region::registration))
-                .collect(),
-        };
+        // On the stack for a batch of up to the default `post_batch` transfers. (A lone
+        // transfer's request is posted by `post_one`, with its one registration.)
+        let regs: SmallVec<[&dyn OwnedRegistration; rixl_proto::POST_BATCH_INLINE]> = keeps
+            .iter()
+            .flat_map(|k| k.regions.iter().filter_map(Region::registration))
+            .collect();
         probe::delay(Delay::BeforeDoorbell);
         probe::stamp(Point::Doorbell);
         let r = self.qp.post_send_in(&mut self.batch, &regs);
