@@ -1911,16 +1911,16 @@ proptest::proptest! {
     }
 }
 
-/// A lone 64 B transfer (`op`) that the core takes, posted.
-fn lone_64(fx: &mut Fx, op: Op) -> Posting {
+/// A lone transfer of `len` bytes (`op`) offered to the core: `Some` posting if it takes it.
+fn offer_lone(fx: &mut Fx, op: Op, len: u64) -> Option<Posting> {
     let local = LocalDesc {
         region: 0,
         offset: 0,
-        len: 64,
+        len,
     };
     let remote = RemoteDesc {
         addr: 0x9000_0000,
-        len: 64,
+        len,
         rkey: 9,
     };
     let opts = TransferOptions::default();
@@ -1933,7 +1933,12 @@ fn lone_64(fx: &mut Fx, op: Op) -> Posting {
         opts: &opts,
     };
     let keep = Rc::clone(&fx.keep);
-    fx.core.post_lone(&t, || keep).expect("taken")
+    fx.core.post_lone(&t, || keep)
+}
+
+/// A lone 64 B transfer (`op`) that the core takes, posted.
+fn lone_64(fx: &mut Fx, op: Op) -> Posting {
+    offer_lone(fx, op, 64).expect("taken")
 }
 
 #[test]
@@ -1981,28 +1986,8 @@ fn a_lone_transfer_the_core_leaves_to_the_general_path_does_not_count_towards_a_
     }
     // Between the transfers posted at once, a lone transfer the core declines (an empty
     // descriptor): the probe still comes after COALESCE_PROBE_EVERY - 1 of them.
-    let empty = LocalDesc {
-        region: 0,
-        offset: 0,
-        len: 0,
-    };
-    let remote = RemoteDesc {
-        addr: 0x9000_0000,
-        len: 0,
-        rkey: 9,
-    };
-    let opts = TransferOptions::default();
-    let declined = LoneTransfer {
-        conn: fx.conn,
-        op: Op::Write,
-        region: REGION,
-        local: &empty,
-        remote: &remote,
-        opts: &opts,
-    };
     for i in 1..rixl_proto::COALESCE_PROBE_EVERY {
-        let keep = Rc::clone(&fx.keep);
-        assert!(fx.core.post_lone(&declined, || keep).is_none());
+        assert!(offer_lone(&mut fx, Op::Write, 0).is_none());
         let mut p = fx.write(1);
         assert!(!p.queued(), "transfer {i} posted at once");
         fx.nic.complete_all();
