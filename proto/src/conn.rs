@@ -168,22 +168,21 @@ impl<Q> Connection<Q> {
     /// Coalescing: whether a small transfer in progress turn `turn` is posted at once: the
     /// first of the turn with nothing queued before it (nothing queued may be overtaken, so a
     /// probe in the queue collects the transfers that follow it in its turn), or any while the
-    /// connection's flushes find no company, but for a probe now and then. Decides only,
-    /// changing nothing: [`Self::decide_turn`] records the decision once it is acted on.
+    /// connection's flushes find no company, but for a probe now and then. Changes nothing:
+    /// [`Self::decide_turn`] decides the same and records it.
     pub fn posts_at_once(&self, turn: u64) -> bool {
         self.idle_queue() && (self.immediate_turn != turn || self.mode.would_bypass())
     }
 
-    /// Records the decision for a small transfer of turn `turn` ([`Self::posts_at_once`]'s
-    /// answer, `at_once`): a transfer posted at once takes the turn, and in direct mode every
-    /// transfer after the turn's first counts towards the next probe, posted at once or not.
-    pub fn decide_turn(&mut self, turn: u64, at_once: bool) {
-        if self.idle_queue() && self.immediate_turn == turn {
-            self.mode.bypass();
-        }
+    /// [`Self::posts_at_once`], recorded for a transfer that acts on it: one posted at once
+    /// takes the turn, and in direct mode every transfer after the turn's first counts towards
+    /// the next probe, posted at once or not.
+    pub fn decide_turn(&mut self, turn: u64) -> bool {
+        let at_once = self.idle_queue() && (self.immediate_turn != turn || self.mode.bypass());
         if at_once {
             self.immediate_turn = turn;
         }
+        at_once
     }
 
     /// Nothing queued and no flush scheduled.

@@ -62,7 +62,8 @@ impl<Q: SendQueue> Core<Q> {
             return None;
         }
         if coalesce {
-            c.decide_turn(turn, true);
+            // Posted at once, as `posts_at_once` said: recorded.
+            c.decide_turn(turn);
         }
         let slot = self.inflight.insert(t.conn.0, keep());
         let mut p = Posting::lone(t.conn, t.op, slot, t.opts, self.cfg.transfer_timeout);

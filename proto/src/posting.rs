@@ -355,11 +355,7 @@ impl<Q: SendQueue> Core<Q> {
     fn post_at_once(&mut self, conn: ConnId) -> bool {
         let turn = self.turn;
         match self.conns.get_mut(conn.0 as usize) {
-            Some(c) => {
-                let at_once = c.posts_at_once(turn);
-                c.decide_turn(turn, at_once);
-                at_once
-            }
+            Some(c) => c.decide_turn(turn),
             None => false,
         }
     }
@@ -633,7 +629,8 @@ impl<Q: SendQueue> Core<Q> {
 /// Posts the one signaled request of `slot` on `c` with a doorbell of its own (`post` builds and
 /// rings it under the slot's request id, given what the slot keeps alive) and accounts for it:
 /// one send credit, one signaled request outstanding, one request and one doorbell counted.
-/// Nothing counts if the post is refused.
+/// Nothing counts if the post is refused. Inlined: it is the latency path's post.
+#[inline(always)]
 pub(crate) fn post_one_signaled<Q: SendQueue>(
     c: &mut Connection<Q>,
     inflight: &mut InflightTable<Q::Keep>,
@@ -642,7 +639,9 @@ pub(crate) fn post_one_signaled<Q: SendQueue>(
     post: impl FnOnce(&mut Q, u64, &Q::Keep) -> Result<(), Q::Error>,
 ) -> Result<(), TransferError> {
     // The slot is live: its caller opened it just before.
-    let keep = inflight.keepalive(slot).ok_or(TransferError::EngineGone)?;
+    let Some(keep) = inflight.keepalive(slot) else {
+        return Err(TransferError::EngineGone);
+    };
     post(&mut c.queue, slot.wr_id(true), keep).map_err(|e| TransferError::Post(e.to_string()))?;
     c.credits.commit(c.credits.plan(1));
     inflight.add_signaled(slot, 1);
