@@ -7,8 +7,8 @@ use smallvec::SmallVec;
 
 use crate::credits::SendCredits;
 use crate::error::TransferError;
+use crate::inbox::Inbound;
 use crate::inflight::{InflightTable, SlotId};
-use crate::stats::Message;
 use crate::wire::{SendOp, Sge};
 
 /// Where a connection is in its life.
@@ -33,6 +33,9 @@ pub struct ConnParams {
     pub max_send_sge: u32,
     /// Inline bytes per send request (0: none).
     pub max_inline: u32,
+    /// Receive buffers posted at connect (half of them may hold received payloads for their
+    /// reader; see [`crate::inbox`]).
+    pub recv_buffers: u32,
 }
 
 /// Transfers of at most this many work requests are coalesced (see
@@ -125,7 +128,11 @@ pub(crate) struct Connection<Q> {
     pub state: ConnState,
     pub credits: SendCredits,
     pub credit_waiters: Vec<Waker>,
-    pub inbox: VecDeque<Message>,
+    pub inbox: VecDeque<Inbound>,
+    /// Receive buffers holding a payload for the reader (in the inbox or lent to it).
+    pub held: u32,
+    /// At most this many buffers are held; past it payloads are copied out on arrival.
+    pub held_limit: u32,
     pub inbox_waiter: Option<Waker>,
     /// Receive buffers (work request id, index) held back while the inbox is over
     /// [`INBOX_LIMIT`], posted again as the reader takes messages.
@@ -153,6 +160,8 @@ impl<Q> Connection<Q> {
             credits: SendCredits::new(params.send_queue_depth, signal_interval),
             credit_waiters: Vec::new(),
             inbox: VecDeque::new(),
+            held: 0,
+            held_limit: params.recv_buffers / 2,
             inbox_waiter: None,
             deferred_recvs: Vec::new(),
             max_msg: u64::from(u32::MAX),

@@ -10,15 +10,15 @@ use std::time::{Duration, Instant};
 use slab::Slab;
 use smallvec::SmallVec;
 
-use crate::conn::{unknown, ConnParams, ConnState, Connection, INBOX_LIMIT};
+use crate::conn::{unknown, ConnParams, ConnState, Connection};
 use crate::deadline::{Deadlines, Due};
 use crate::desc::{LocalDesc, Op, RegionInfo, RemoteDesc};
 use crate::error::TransferError;
 use crate::inflight::{decode_wr_id, InflightTable, Routed, SlotId};
 use crate::plan::{self, Limits, Plan};
 use crate::queue::{CompletionSource, SendQueue};
-use crate::stats::{ConnId, EngineCounters, Message};
-use crate::wire::{Completion, WcOpcode};
+use crate::stats::{ConnId, EngineCounters};
+use crate::wire::Completion;
 
 /// Receive work requests carry this bit (send requests never do: their generation has 30 bits).
 pub const RECV_BIT: u64 = 1 << 62;
@@ -279,51 +279,6 @@ impl<Q: SendQueue> Core<Q> {
             c.credit_waiters.push(cx.waker().clone());
             Poll::Pending
         }
-    }
-
-    /// The next message of `conn`, or its error; registers the waker otherwise.
-    pub fn poll_recv(
-        &mut self,
-        conn: ConnId,
-        cx: &mut Context<'_>,
-    ) -> Poll<Result<Message, TransferError>> {
-        self.take_message(conn, Some(cx))
-    }
-
-    /// The next message of `conn`, or its error, without registering a waker (a receiver that
-    /// reaps the CQ itself does not wake itself).
-    pub fn try_recv(&mut self, conn: ConnId) -> Poll<Result<Message, TransferError>> {
-        self.take_message(conn, None)
-    }
-
-    fn take_message(
-        &mut self,
-        conn: ConnId,
-        cx: Option<&mut Context<'_>>,
-    ) -> Poll<Result<Message, TransferError>> {
-        let Some(c) = self.conns.get_mut(conn.0 as usize) else {
-            return Poll::Ready(Err(unknown(conn.0)));
-        };
-        if let Some(m) = c.inbox.pop_front() {
-            // Held back: one buffer per message over the limit.
-            if c.deferred_recvs.len() > c.inbox.len().saturating_sub(INBOX_LIMIT)
-                && !matches!(c.state, ConnState::Failed(_))
-            {
-                if let Some((wr_id, index)) = c.deferred_recvs.pop() {
-                    if let Err(e) = c.queue.repost_recv(wr_id, index) {
-                        tracing::warn!(conn = conn.0, error = %e, "reposting a held-back receive failed");
-                    }
-                }
-            }
-            return Poll::Ready(Ok(m));
-        }
-        if let Err(e) = c.check_live(conn.0) {
-            return Poll::Ready(Err(e));
-        }
-        if let Some(cx) = cx {
-            c.inbox_waiter = Some(cx.waker().clone());
-        }
-        Poll::Pending
     }
 
     /// Checks `conn` and a transfer's lists (`regions` are the local list's regions, already
@@ -602,33 +557,6 @@ impl<Q: SendQueue> Core<Q> {
             self.inflight.fail_connection(conn, &TransferError::Flushed);
         }
         for w in wake {
-            w.wake();
-        }
-    }
-
-    fn route_recv(&mut self, wc: &Completion) {
-        let conn = ((wc.wr_id >> 16) & 0xffff) as u32;
-        let index = (wc.wr_id & 0xffff) as u32;
-        let Some(c) = self.conns.get_mut(conn as usize) else {
-            return;
-        };
-        if !wc.is_success() {
-            // Flushed receives of a failing connection.
-            return;
-        }
-        let msg = match wc.opcode {
-            WcOpcode::RecvRdmaWithImm => Message::Immediate(wc.imm.unwrap_or(0)),
-            _ => Message::Data(c.queue.read_received(index, wc.byte_len), wc.imm),
-        };
-        c.inbox.push_back(msg);
-        if c.inbox.len() > INBOX_LIMIT {
-            // The reader is behind: the buffer is posted again when it takes a message.
-            c.deferred_recvs.push((wc.wr_id, index));
-            self.counters.receives_held_back += 1;
-        } else if let Err(e) = c.queue.repost_recv(wc.wr_id, index) {
-            tracing::warn!(conn, error = %e, "reposting a receive failed");
-        }
-        if let Some(w) = c.inbox_waiter.take() {
             w.wake();
         }
     }

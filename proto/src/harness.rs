@@ -97,6 +97,7 @@ impl FakeNic {
             nic: self.clone(),
             qpn: 0x100 + s.next_qpn,
             batch: Vec::new(),
+            payload: Vec::new(),
             _keep: PhantomData,
         }
     }
@@ -231,6 +232,8 @@ pub struct FakeQueue<K> {
     nic: FakeNic,
     qpn: u32,
     batch: Vec<PostedWr>,
+    /// The last payload read out of a receive buffer (each buffer `i` holds bytes of value `i`).
+    payload: Vec<u8>,
     _keep: PhantomData<fn(K)>,
 }
 
@@ -287,9 +290,11 @@ impl<K> SendQueue for FakeQueue<K> {
         Ok(())
     }
 
-    fn read_received(&mut self, index: u32, len: u32) -> Vec<u8> {
+    fn received(&mut self, index: u32, len: u32) -> &[u8] {
         self.nic.0.borrow_mut().received.push((index, len));
-        vec![index as u8; len as usize]
+        self.payload.clear();
+        self.payload.resize(len as usize, index as u8);
+        &self.payload
     }
 
     fn repost_recv(&mut self, wr_id: u64, _index: u32) -> Result<(), Refused> {
@@ -363,6 +368,8 @@ pub struct NullQueue<K> {
     staged: usize,
     signaled: Vec<u64>,
     cq: NullCompletions,
+    /// Every receive buffer reads as zeros.
+    payload: Vec<u8>,
     _keep: PhantomData<fn(K)>,
 }
 
@@ -374,6 +381,7 @@ impl<K> NullQueue<K> {
             staged: 0,
             signaled: Vec::new(),
             cq,
+            payload: Vec::new(),
             _keep: PhantomData,
         }
     }
@@ -408,8 +416,9 @@ impl<K> SendQueue for NullQueue<K> {
         Ok(())
     }
 
-    fn read_received(&mut self, _index: u32, len: u32) -> Vec<u8> {
-        vec![0; len as usize]
+    fn received(&mut self, _index: u32, len: u32) -> &[u8] {
+        self.payload.resize(len as usize, 0);
+        &self.payload[..len as usize]
     }
 
     fn repost_recv(&mut self, _wr_id: u64, _index: u32) -> Result<(), Refused> {

@@ -50,8 +50,9 @@ pub trait SendQueue {
     /// The state change was refused.
     fn set_error(&mut self) -> Result<(), Self::Error>;
 
-    /// The first `len` bytes of receive buffer `index`, after a receive completed into it.
-    fn read_received(&mut self, index: u32, len: u32) -> Vec<u8>;
+    /// The first `len` bytes of receive buffer `index`, after a receive completed into it (the
+    /// buffer is not posted again until the core is done with them).
+    fn received(&mut self, index: u32, len: u32) -> &[u8];
 
     /// Posts receive buffer `index` again, under `wr_id`.
     ///

@@ -50,6 +50,7 @@ fn params(depth: u32) -> ConnParams {
         send_queue_depth: depth,
         max_send_sge: 4,
         max_inline: 64,
+        recv_buffers: 0,
     }
 }
 

@@ -23,7 +23,8 @@ pub use desc::{
 };
 pub use engine::{
     Access, ConnId, DescriptorRanges, Engine, EngineConfig, EngineCounters, Grant, GrantSpec,
-    Message, PollMode, PreparedTransfer, Progress, TransferFailure, TransferOptions, TransferStats,
+    Message, PollMode, PreparedTransfer, Progress, Received, TransferFailure, TransferOptions,
+    TransferStats,
 };
 pub use error::{DeviceFault, InvalidDescriptor, RuntimeError, TransferError};
 pub use file::{

@@ -6,6 +6,7 @@
 mod config;
 mod events;
 mod grant;
+mod message;
 mod nic;
 mod progress;
 mod transfer;
@@ -31,8 +32,8 @@ use crate::id::next_engine_id;
 pub use config::{EngineConfig, PollMode};
 pub use grant::{Access, Grant, GrantSpec};
 pub use rixl_proto::{
-    ConnId, DescriptorRanges, EngineCounters, Message, Progress, TransferFailure, TransferOptions,
-    TransferStats,
+    ConnId, DescriptorRanges, EngineCounters, Message, Progress, Received, TransferFailure,
+    TransferOptions, TransferStats,
 };
 pub use transfer::PreparedTransfer;
 
@@ -391,6 +392,7 @@ impl Engine {
                 send_queue_depth: caps.max_send_wr,
                 max_send_sge: caps.max_send_sge,
                 max_inline: caps.max_inline_data,
+                recv_buffers: cfg.recv_buffers,
             },
         );
         tracing::debug!(

@@ -99,6 +99,11 @@ impl VerbsQueue {
     }
 
     /// Posts receive buffers `indices` under `conn`'s receive ids.
+    /// Its receive buffers (`max_message` bytes each).
+    pub fn recv_region(&self) -> &Region {
+        &self.recv_region
+    }
+
     pub fn post_receives(
         &self,
         conn: u32,
@@ -182,12 +187,8 @@ impl SendQueue for VerbsQueue {
         self.qp.to_error()
     }
 
-    fn read_received(&mut self, index: u32, len: u32) -> Vec<u8> {
-        let mut data = vec![0u8; len as usize];
-        let _ = self
-            .recv_region
-            .read_at(u64::from(index * self.max_message), &mut data);
-        data
+    fn received(&mut self, index: u32, len: u32) -> &[u8] {
+        received_bytes(&self.recv_region, self.max_message, index, len)
     }
 
     fn repost_recv(&mut self, wr_id: u64, index: u32) -> Result<(), rixl_verbs::Error> {
@@ -197,6 +198,19 @@ impl SendQueue for VerbsQueue {
         self.qp
             .post_recv_in(&mut self.repost, self.recv_region.nic_slice())
     }
+}
+
+/// The first `len` bytes of buffer `index` of a receive region of `max_message`-byte buffers
+/// (empty if out of range, which a completion from the NIC never is).
+pub(crate) fn received_bytes(region: &Region, max_message: u32, index: u32, len: u32) -> &[u8] {
+    let start = index as usize * max_message as usize;
+    region
+        .host_memory()
+        .and_then(|h| {
+            h.as_slice()
+                .get(start..start + len.min(max_message) as usize)
+        })
+        .unwrap_or(&[])
 }
 
 /// The engine's completion queue, polled through a buffer of raw completions.

@@ -7,13 +7,13 @@ use std::rc::Rc;
 use std::task::Poll;
 use std::time::{Duration, Instant};
 
-use rixl_proto::{ConnId, LocalDesc, LoneTransfer, Message, Op, Plan, Posting, RegionInfo};
+use rixl_proto::RemoteDesc;
+use rixl_proto::{ConnId, LocalDesc, LoneTransfer, Op, Plan, RegionInfo};
 use rixl_proto::{DescriptorRanges, TransferFailure, TransferOptions, TransferStats};
-use rixl_proto::{RemoteDesc, SendOp, Sge};
 use smallvec::SmallVec;
 use tracing::Instrument;
 
-use super::nic::{KeepAlive, MessageSlots};
+use super::nic::KeepAlive;
 use super::wait::{reap_until, wait_slot, SlotGuard};
 use super::{Engine, Inner};
 use crate::desc::{LocalDescList, Region, RemoteDescList};
@@ -245,143 +245,6 @@ impl Engine {
         }
         inner.core.borrow_mut().count_result(result.is_ok());
         result
-    }
-
-    /// Sends a small message (at most `max_message` bytes) with SEND (and optional immediate).
-    /// The bytes are copied into a registered message buffer first, so `msg` may be any memory;
-    /// [`Self::send_from`] sends from a registered region without the copy.
-    ///
-    /// Messages are coalesced like small transfers: the first of a progress turn is posted at
-    /// once, later ones in the same turn share the connection's next doorbell and signal.
-    /// Messages sent one after another arrive in order; concurrent ones go out in the order
-    /// their futures were first polled (one that waits for a free send-queue slot may be
-    /// overtaken). A completed send was delivered to the peer's receive queue. A future dropped
-    /// before it completes either was posted (the message arrives whole) or was still queued
-    /// (it is never sent).
-    ///
-    /// # Errors
-    /// [`InvalidDescriptor::MessageSize`] if it is empty or too large; otherwise as a transfer.
-    pub async fn send(
-        &self,
-        conn: ConnId,
-        msg: &[u8],
-        imm: Option<u32>,
-    ) -> Result<(), TransferError> {
-        self.check_message_size(msg.len() as u64)?;
-        let max = self.inner.cfg.max_message;
-        let inner = Rc::clone(&self.inner);
-        let slot = poll_fn(|cx| MessageSlots::take(&inner.msg_slots, cx)).await;
-        let off = u64::from(slot.index * max);
-        inner
-            .msg_region
-            .write_at(off, msg)
-            .map_err(|e| TransferError::Post(e.to_string()))?;
-        let sge = Sge {
-            addr: inner.msg_region.addr() + off,
-            length: msg.len() as u32,
-            lkey: inner.msg_region.lkey(),
-        };
-        let keep = KeepAlive {
-            regions: smallvec::smallvec![inner.msg_region.clone()],
-            _message: Some(slot),
-        };
-        // The slot goes back to the pool (waking a waiting sender) when the in-flight table
-        // drops the keep-alive.
-        post_message(&inner, conn, sge, true, imm, keep).await
-    }
-
-    /// Sends `len` bytes at `offset` of the registered `region` with SEND (and optional
-    /// immediate), zero-copy: the NIC reads them from the region, as `ib_send_bw` sends from its
-    /// buffer. The peer receives them like any message ([`Self::recv`]). Like a transfer, the
-    /// in-flight table keeps the region registered until the NIC is done, even if this future
-    /// is dropped; the bytes must not change until it completes. Coalesced, ordered and
-    /// cancelled like [`Self::send`].
-    ///
-    /// # Errors
-    /// [`InvalidDescriptor::MessageSize`] if `len` is 0 or over `max_message`;
-    /// [`InvalidDescriptor::OutOfRange`] / [`InvalidDescriptor::Overflow`] if the bytes are not
-    /// inside the region; [`InvalidDescriptor::ForeignRegion`] for another engine's region,
-    /// [`InvalidDescriptor::NotRegistered`] for memory not registered with this engine's NIC;
-    /// otherwise as a transfer.
-    pub async fn send_from(
-        &self,
-        conn: ConnId,
-        region: &Region,
-        offset: u64,
-        len: u64,
-        imm: Option<u32>,
-    ) -> Result<(), TransferError> {
-        self.check_message_size(len)?;
-        let end = offset.checked_add(len).ok_or(InvalidDescriptor::Overflow {
-            side: "local",
-            index: 0,
-        })?;
-        if end > region.len() {
-            return Err(InvalidDescriptor::OutOfRange {
-                index: 0,
-                offset,
-                len,
-                region_len: region.len(),
-            }
-            .into());
-        }
-        if region.engine_id() != self.inner.id {
-            return Err(InvalidDescriptor::ForeignRegion { index: 0 }.into());
-        }
-        if region.registration().is_none() {
-            return Err(InvalidDescriptor::NotRegistered { index: 0 }.into());
-        }
-        let sge = Sge {
-            addr: region.addr() + offset,
-            length: len as u32,
-            lkey: region.lkey(),
-        };
-        let keep = KeepAlive {
-            regions: smallvec::smallvec![region.clone()],
-            _message: None,
-        };
-        post_message(&self.inner, conn, sge, !region.is_gpu(), imm, keep).await
-    }
-
-    fn check_message_size(&self, len: u64) -> Result<(), InvalidDescriptor> {
-        let max = u64::from(self.inner.cfg.max_message);
-        if len == 0 || len > max {
-            return Err(InvalidDescriptor::MessageSize { len, max });
-        }
-        Ok(())
-    }
-
-    /// Receives the next message (SEND payload or WRITE_WITH_IMM notification) on `conn`.
-    ///
-    /// # Errors
-    /// [`TransferError::Connection`] when the connection failed or is unknown.
-    pub async fn recv(&self, conn: ConnId) -> Result<Message, TransferError> {
-        let inner = Rc::clone(&self.inner);
-        poll_fn(|cx| {
-            let mut core = inner.core.borrow_mut();
-            let r = core.try_recv(conn);
-            if r.is_ready() {
-                return r;
-            }
-            // Nothing in flight on the engine (a request-response loop waiting for its
-            // answer): poll the CQ here for a while, as a waiting transfer alone does, instead
-            // of waiting for the progress task's wake-up.
-            let polls = if core.inflight_len() == 0 {
-                inner.cfg.spin_polls
-            } else {
-                1
-            };
-            if let Poll::Ready(r) = reap_until(&inner, &mut core, polls, |c| c.try_recv(conn)) {
-                return Poll::Ready(r);
-            }
-            let r = core.poll_recv(conn, cx);
-            drop(core);
-            if r.is_pending() {
-                inner.kick_progress();
-            }
-            r
-        })
-        .await
     }
 }
 
@@ -652,7 +515,7 @@ async fn post_plan(
 }
 
 /// Posts `conn`'s queued small transfers, one doorbell per batch, until the queue is empty.
-async fn flush_queue(inner: Rc<Inner>, conn: ConnId) {
+pub(super) async fn flush_queue(inner: Rc<Inner>, conn: ConnId) {
     // glommio's `spawn_local` runs a new task at once, inside the spawner's poll: without this
     // yield the flush would post the one transfer just queued. Yielding first puts it behind
     // the tasks already runnable in this tick, so their transfers share its doorbell.
@@ -680,61 +543,4 @@ async fn flush_queue(inner: Rc<Inner>, conn: ConnId) {
         r
     })
     .await;
-}
-
-/// Queues a message for `conn`'s coalesced post and schedules the flush if none is. Out of
-/// line: the message posted at once is the latency path, and its future stays small.
-#[inline(never)]
-fn queue_message(
-    inner: &Rc<Inner>,
-    conn: ConnId,
-    op: SendOp,
-    sge: Sge,
-    host: bool,
-    keep: KeepAlive,
-) -> Posting {
-    let mut core = inner.core.borrow_mut();
-    let posting = core.queue_message(conn, op, sge, host, keep);
-    let flush = posting.queued() && core.take_flush_request(conn);
-    drop(core);
-    if flush {
-        crate::supervise::spawn("flush queue", flush_queue(Rc::clone(inner), conn));
-    }
-    posting
-}
-
-/// Posts one SEND of `sge` (host memory if `host`; keeping `keep` in its slot) once the
-/// connection has a send credit, or queues it for the connection's coalesced post, and waits
-/// for its completion.
-async fn post_message(
-    inner: &Rc<Inner>,
-    conn: ConnId,
-    sge: Sge,
-    host: bool,
-    imm: Option<u32>,
-    keep: KeepAlive,
-) -> Result<(), TransferError> {
-    let op = match imm {
-        Some(imm) => SendOp::SendWithImm { imm },
-        None => SendOp::Send,
-    };
-    // Coalesced like a small transfer: a message that is not the first of its turn waits for
-    // the connection's flush, which posts it with the others queued in this turn.
-    let queue = inner.core.borrow_mut().queues_message(conn);
-    let posting = if queue {
-        queue_message(inner, conn, op, sge, host, keep)
-    } else {
-        poll_fn(|cx| inner.core.borrow_mut().poll_credits(conn, 1, cx)).await?;
-        let posting = inner
-            .core
-            .borrow_mut()
-            .post_single(conn, op, sge, host, keep);
-        inner.kick_progress();
-        posting
-    };
-    let mut guard = SlotGuard {
-        inner: Rc::clone(inner),
-        posting,
-    };
-    wait_slot(&mut guard).await
 }

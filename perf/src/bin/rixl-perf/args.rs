@@ -109,6 +109,9 @@ pub struct Args {
     /// SEND tests: send with `Engine::send`, which copies each message into the engine's
     /// message buffers (`--copy`), instead of `Engine::send_from` the registered buffer.
     pub copy: bool,
+    /// SEND tests: receive with `Engine::recv`, which copies each payload out of its receive
+    /// buffer (`--recv-copy`), instead of `Engine::recv_with` reading it in place.
+    pub recv_copy: bool,
     /// How write_lat detects arrival: a flag byte in memory (perftest's way) or WRITE_WITH_IMM.
     pub notify: Notify,
     pub engines: u32,
@@ -216,6 +219,10 @@ pub struct PerftestArgs {
     /// message buffers, instead of zero-copy from the registered buffer as perftest does
     #[arg(long = "copy", help_heading = "rixl options")]
     copy: bool,
+    /// SEND tests: receive each message with `Engine::recv`, which copies it out of its receive
+    /// buffer, instead of reading it in place as perftest does (`Engine::recv_with`)
+    #[arg(long = "recv-copy", help_heading = "rixl options")]
+    recv_copy: bool,
     /// write_lat arrival: a flag byte in memory, as perftest, or WRITE_WITH_IMM and a receive
     /// completion
     #[arg(long = "notify", value_name = "HOW", value_enum, default_value_t = Notify::Flag,
@@ -279,6 +286,7 @@ impl PerftestArgs {
             coalesce: !self.no_coalesce,
             prepared: self.prepared,
             copy: self.copy,
+            recv_copy: self.recv_copy,
             notify: self.notify,
             engines: self.engines,
             cpu: self.cpu,

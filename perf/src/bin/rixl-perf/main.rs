@@ -27,8 +27,8 @@ use args::{Args, Mode, Notify, Test};
 use glommio::{LocalExecutorBuilder, Placement};
 use oob::{Hello, Oob};
 use rixl::runtime::{
-    wait_flag, ConnId, Engine, EngineConfig, Flag, LocalDescList, Message, Op, PreparedTransfer,
-    Region, RemoteDesc, RemoteDescList, TransferOptions, DEFAULT_IO_MEMORY,
+    wait_flag, ConnId, Engine, EngineConfig, Flag, LocalDescList, Op, PreparedTransfer, Region,
+    RemoteDesc, RemoteDescList, TransferOptions, DEFAULT_IO_MEMORY,
 };
 use stats::{BwRow, LatRow};
 
@@ -247,7 +247,11 @@ async fn server(a: Args) -> Res<()> {
                         run_xfer!(engine, &pong)?;
                         continue;
                     }
-                    engine.recv(conn0).await.map_err(s)?;
+                    if a.recv_copy {
+                        engine.recv(conn0).await.map_err(s)?;
+                    } else {
+                        engine.recv_with(conn0, |_| ()).await.map_err(s)?;
+                    }
                     if a.test.is_send() && a.copy {
                         engine.send(conn0, &reply, None).await.map_err(s)?;
                     } else if a.test.is_send() {
@@ -274,11 +278,16 @@ async fn server(a: Args) -> Res<()> {
                     .enumerate()
                     .map(|(k, &c)| {
                         let (e, got) = (engine.clone(), Rc::clone(&got));
+                        let copy = a.recv_copy;
                         let share =
                             n / conns.len() as u64 + u64::from((k as u64) < n % conns.len() as u64);
                         glommio::spawn_local(async move {
                             for _ in 0..share {
-                                e.recv(c).await?;
+                                if copy {
+                                    e.recv(c).await?;
+                                } else {
+                                    e.recv_with(c, |_| ()).await?;
+                                }
                                 got.set(got.get() + 1);
                             }
                             Ok::<_, rixl::runtime::TransferError>(())
@@ -724,9 +733,10 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                                     breakdown.record(t, done, cycles::ticks());
                                 }
                             } else {
-                                match c.engine.recv(conn).await.map_err(s)? {
-                                    Message::Immediate(_) | Message::Data(..) => {}
-                                    other => return Err(format!("unexpected reply {other:?}")),
+                                if a.recv_copy {
+                                    c.engine.recv(conn).await.map_err(s)?;
+                                } else {
+                                    c.engine.recv_with(conn, |_| ()).await.map_err(s)?;
                                 }
                                 if i >= warm {
                                     sent.push(done.wrapping_sub(t));
