@@ -133,6 +133,8 @@ pub(crate) struct Connection<Q> {
     pub held: u32,
     /// At most this many buffers are held; past it payloads are copied out on arrival.
     pub held_limit: u32,
+    /// The reader borrows payloads (its last take lent them): arriving ones may be held.
+    pub reader_lends: bool,
     pub inbox_waiter: Option<Waker>,
     /// Receive buffers (work request id, index) held back while the inbox is over
     /// [`INBOX_LIMIT`], posted again as the reader takes messages.
@@ -162,6 +164,7 @@ impl<Q> Connection<Q> {
             inbox: VecDeque::new(),
             held: 0,
             held_limit: params.recv_buffers / 2,
+            reader_lends: false,
             inbox_waiter: None,
             deferred_recvs: Vec::new(),
             max_msg: u64::from(u32::MAX),

@@ -1,15 +1,17 @@
 //! A connection's inbox: received messages wait for their reader, in order.
 //!
-//! A SEND's payload lands in one of the connection's receive buffers. Up to
-//! [`ConnParams::recv_buffers`](crate::ConnParams::recv_buffers)` / 2` of them wait there, unposted,
-//! until the reader takes them: a reader that borrows the bytes
-//! ([`Core::take_delivery`] and [`Core::release_received`]; the runtime's `recv_with`) reads
-//! them in place, with no copy, and the buffer is posted again when it is done. Past that many
-//! (a reader behind its sender), a payload is copied out when it arrives and its buffer posted
-//! again at once, so at least half of the receive ring stays posted. Past [`INBOX_LIMIT`]
-//! messages, buffers are posted again only as the reader takes messages: the sender meets
-//! receiver-not-ready back-pressure instead of this side's memory growing. An immediate
-//! (WRITE_WITH_IMM) reads no buffer.
+//! A SEND's payload lands in one of the connection's receive buffers. When the connection's
+//! reader borrows payloads ([`Core::take_delivery`] and [`Core::release_received`]; the
+//! runtime's `recv_with`), up to [`ConnParams::recv_buffers`](crate::ConnParams::recv_buffers)
+//! ` / 2` of them wait there, unposted, until it takes them: it reads them in place, with no copy,
+//! and the buffer is posted again when it is done. Past that many (a reader behind its sender),
+//! and for a reader that copies ([`Core::try_recv`], [`Core::poll_recv`]), a payload is copied out
+//! when it arrives and its buffer posted again at once, so at least half of the receive ring
+//! stays posted (all of it for a copying reader). Past [`INBOX_LIMIT`] messages, buffers are
+//! posted again only as the reader takes messages: the sender meets receiver-not-ready
+//! back-pressure instead of this side's memory growing. An immediate (WRITE_WITH_IMM) reads no
+//! buffer. A receive completion is routed only to the connection whose queue pair it names (a
+//! late one of a removed connection never reaches the connection that took its slot).
 
 use std::task::{Context, Poll};
 
@@ -126,13 +128,13 @@ impl<Q: SendQueue> Core<Q> {
     }
 
     /// The next message of `conn` as an owned copy (a held payload is copied out of its buffer
-    /// and the buffer posted again).
+    /// and the buffer posted again). Payloads arriving from now on are copied on arrival.
     fn take_copied(
         &mut self,
         conn: ConnId,
         cx: Option<&mut Context<'_>>,
     ) -> Poll<Result<Message, TransferError>> {
-        self.take_delivery(conn, cx).map_ok(|d| match d {
+        self.next_delivery(conn, cx, false).map_ok(|d| match d {
             Delivery::Message(m) => m,
             Delivery::Held(held) => {
                 let m = match self.conns.get_mut(conn.0 as usize) {
@@ -150,15 +152,27 @@ impl<Q: SendQueue> Core<Q> {
 
     /// The next message of `conn` (a payload still in its buffer is lent: release it with
     /// [`Self::release_received`]), or its error once its inbox is empty and it failed. With
-    /// `cx`, registers the waker when there is none.
+    /// `cx`, registers the waker when there is none. Payloads arriving from now on wait in their
+    /// buffers (up to half the ring) to be lent.
     pub fn take_delivery(
         &mut self,
         conn: ConnId,
         cx: Option<&mut Context<'_>>,
     ) -> Poll<Result<Delivery, TransferError>> {
+        self.next_delivery(conn, cx, true)
+    }
+
+    /// The next delivery; `lends`: whether the reader borrows payloads (they may be held).
+    fn next_delivery(
+        &mut self,
+        conn: ConnId,
+        cx: Option<&mut Context<'_>>,
+        lends: bool,
+    ) -> Poll<Result<Delivery, TransferError>> {
         let Some(c) = self.conns.get_mut(conn.0 as usize) else {
             return Poll::Ready(Err(unknown(conn.0)));
         };
+        c.reader_lends = lends;
         if let Some(m) = c.inbox.pop_front() {
             // Held back: one buffer per message over the limit.
             if c.deferred_recvs.len() > c.inbox.len().saturating_sub(INBOX_LIMIT)
@@ -206,6 +220,11 @@ impl<Q: SendQueue> Core<Q> {
     pub(crate) fn route_recv(&mut self, wc: &Completion) {
         let conn = ((wc.wr_id >> 16) & 0xffff) as u32;
         let index = (wc.wr_id & 0xffff) as u32;
+        if self.conn_of_qpn(wc.qp_num) != Some(ConnId(conn)) {
+            // A late completion of a removed connection whose slot was taken since.
+            self.counters.stale_completions += 1;
+            return;
+        }
         let Some(c) = self.conns.get_mut(conn as usize) else {
             return;
         };
@@ -213,7 +232,7 @@ impl<Q: SendQueue> Core<Q> {
             // Flushed receives of a failing connection.
             return;
         }
-        if wc.opcode != WcOpcode::RecvRdmaWithImm && c.held < c.held_limit {
+        if wc.opcode != WcOpcode::RecvRdmaWithImm && c.reader_lends && c.held < c.held_limit {
             // Left in its buffer until the reader takes it.
             c.held += 1;
             c.inbox.push_back(Inbound::Held(HeldBuffer {

@@ -110,7 +110,13 @@ pub struct InflightTable<K> {
     slots: Slab<Slot<K>>,
     next_generation: u32,
     signaled_outstanding: u64,
+    /// Emptied cover lists, reused: a coalesced batch's signaled slot covers the requests before
+    /// it, and a list allocated and freed per batch was most of a small transfer's heap work.
+    spare_covers: Vec<Vec<SlotId>>,
 }
+
+/// Spare cover lists kept at most (one per signaled slot of a full send queue is plenty).
+const SPARE_COVERS: usize = 64;
 
 impl<K> Default for InflightTable<K> {
     fn default() -> Self {
@@ -118,6 +124,7 @@ impl<K> Default for InflightTable<K> {
             slots: Slab::new(),
             next_generation: 1,
             signaled_outstanding: 0,
+            spare_covers: Vec::new(),
         }
     }
 }
@@ -276,10 +283,21 @@ impl<K> InflightTable<K> {
             }
             Routed::Finished
         };
-        for c in covers {
-            self.release_cover(c);
+        if covers.capacity() > 0 {
+            self.release_covers(covers);
         }
         routed
+    }
+
+    /// Completes the slots `covers` names and keeps the emptied list for reuse.
+    fn release_covers(&mut self, mut covers: Vec<SlotId>) {
+        for &c in &covers {
+            self.release_cover(c);
+        }
+        if self.spare_covers.len() < SPARE_COVERS {
+            covers.clear();
+            self.spare_covers.push(covers);
+        }
     }
 
     /// Makes `covered` (posted, its last request unsignaled) complete when `by` completes: `by`'s
@@ -288,8 +306,20 @@ impl<K> InflightTable<K> {
         if by == covered || !self.contains(covered) {
             return;
         }
-        match self.get_mut(by) {
-            Some(b) if b.outstanding != 0 || b.posting => b.covers.push(covered),
+        let spare = &mut self.spare_covers;
+        match self
+            .slots
+            .get_mut(by.key as usize)
+            .filter(|s| s.generation == by.generation)
+        {
+            Some(b) if b.outstanding != 0 || b.posting => {
+                if b.covers.capacity() == 0 {
+                    if let Some(list) = spare.pop() {
+                        b.covers = list;
+                    }
+                }
+                b.covers.push(covered);
+            }
             // `by` is gone or already done: `covered`'s requests are complete too.
             _ => return,
         }

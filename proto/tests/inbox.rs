@@ -8,7 +8,7 @@ use std::task::{Context, Poll, Waker};
 use rixl_proto::harness::{FakeCq, FakeNic, FakeQueue};
 use rixl_proto::{
     recv_wr_id, Completion, ConnId, ConnParams, Core, CoreConfig, Delivery, HeldBuffer, Message,
-    Received, TransferError, WcOpcode, WcStatus,
+    Received, SendQueue, TransferError, WcOpcode, WcStatus,
 };
 
 type Keep = Rc<&'static str>;
@@ -29,6 +29,8 @@ impl Fx {
         let mut core = Core::new(CoreConfig::default());
         let conn = core.add_connection(nic.queue(), params());
         assert!(core.connected(conn, 1 << 20));
+        // A reader that borrows payloads (as `recv_with`): arriving ones may wait in their buffers.
+        assert!(core.take_delivery(conn, None).is_pending());
         Fx {
             cq: nic.cq(),
             nic,
@@ -37,15 +39,24 @@ impl Fx {
         }
     }
 
+    fn qpn(&self) -> u32 {
+        self.core.queue(self.conn).expect("connection").qpn()
+    }
+
     /// Receives `len` bytes into buffer `index` (the fake NIC's buffer `i` holds bytes `i`).
     fn arrive(&mut self, index: u32, len: u32, imm: Option<u32>) {
+        self.arrive_on(self.qpn(), index, len, imm);
+    }
+
+    /// As [`Self::arrive`], the completion naming queue pair `qpn`.
+    fn arrive_on(&mut self, qpn: u32, index: u32, len: u32, imm: Option<u32>) {
         self.nic.inject(Completion {
             wr_id: recv_wr_id(self.conn.0, index),
             status: WcStatus::Success,
             opcode: WcOpcode::Recv,
             byte_len: len,
             imm,
-            qp_num: 0x101,
+            qp_num: qpn,
         });
         self.reap();
     }
@@ -182,7 +193,7 @@ fn inbox_an_immediate_reads_no_buffer_and_is_posted_again_at_once() {
         opcode: WcOpcode::RecvRdmaWithImm,
         byte_len: 0,
         imm: Some(77),
-        qp_num: 0x101,
+        qp_num: fx.qpn(),
     });
     fx.reap();
     assert_eq!(fx.reposted(), [1]);
@@ -216,6 +227,7 @@ fn inbox_a_failed_connection_delivers_its_held_payloads_then_its_error() {
 #[test]
 fn inbox_a_buffer_released_after_its_connection_was_replaced_is_ignored() {
     let mut fx = Fx::new();
+    let old_qpn = fx.qpn();
     fx.arrive(5, 8, None);
     let old = fx.held();
     assert!(fx.core.remove_connection(fx.conn).is_some());
@@ -227,8 +239,15 @@ fn inbox_a_buffer_released_after_its_connection_was_replaced_is_ignored() {
         fx.reposted().is_empty(),
         "the old buffer is not posted on the new queue pair"
     );
-    // The new connection holds its own payloads from the start.
     assert!(fx.core.connected(conn, 1 << 20));
+    assert!(fx.core.take_delivery(conn, None).is_pending());
+    // A late receive completion of the old queue pair is not the new connection's.
+    let stale = fx.core.counters().stale_completions;
+    fx.arrive_on(old_qpn, 6, 8, None);
+    assert!(fx.core.take_delivery(conn, None).is_pending());
+    assert_eq!(fx.core.counters().stale_completions, stale + 1);
+    assert!(fx.reposted().is_empty() && fx.copied().is_empty());
+    // The new connection holds its own payloads from the start.
     for i in 0..RING / 2 {
         fx.arrive(i, 1, None);
     }
@@ -257,4 +276,32 @@ fn inbox_a_reader_waiting_is_woken_by_a_held_payload() {
         .core
         .take_delivery(fx.conn, Some(&mut Context::from_waker(Waker::noop())))
         .is_pending());
+}
+
+#[test]
+fn inbox_a_copying_reader_gets_payloads_copied_on_arrival_and_the_ring_stays_posted() {
+    let mut fx = Fx::new();
+    // The reader copies (`recv`): from its first take on, nothing is held.
+    assert!(fx.core.try_recv(fx.conn).is_pending());
+    for i in 0..RING {
+        fx.arrive(i, 3, None);
+    }
+    assert_eq!(fx.copied(), (0..RING).collect::<Vec<_>>());
+    assert_eq!(
+        fx.reposted(),
+        (0..RING).collect::<Vec<_>>(),
+        "every buffer posted again at once"
+    );
+    for i in 0..RING {
+        assert_eq!(
+            fx.core.try_recv(fx.conn),
+            Poll::Ready(Ok(Message::Data(vec![i as u8; 3], None)))
+        );
+    }
+    // Borrowing again: payloads wait in their buffers again.
+    assert!(fx.core.take_delivery(fx.conn, None).is_pending());
+    fx.arrive(1, 2, None);
+    let h = fx.held();
+    assert_eq!(h.index(), 1);
+    fx.core.release_received(h);
 }

@@ -193,6 +193,16 @@ impl HostBuffer {
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len()) }
     }
 
+    /// `len` bytes at `offset` (`None` if outside the buffer), without forming a reference to
+    /// the rest of it: a NIC may be writing other parts of the buffer meanwhile. Do not rely on
+    /// these bytes while a transfer may be writing them.
+    pub fn slice_at(&self, offset: usize, len: usize) -> Option<&[u8]> {
+        self.check_range(offset, len).ok()?;
+        // SAFETY: the range is inside the live, initialised allocation of `len()` bytes owned
+        // by `self` (checked); the slice covers only that range and lives no longer than `self`.
+        Some(unsafe { std::slice::from_raw_parts(self.ptr.as_ptr().add(offset), len) })
+    }
+
     /// The contents, mutably. Do not write while a transfer may be reading the buffer.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: as in `as_slice`, and `&mut self` gives exclusive access on the CPU side.

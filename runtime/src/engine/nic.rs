@@ -98,12 +98,12 @@ impl VerbsQueue {
         }
     }
 
-    /// Posts receive buffers `indices` under `conn`'s receive ids.
     /// Its receive buffers (`max_message` bytes each).
     pub fn recv_region(&self) -> &Region {
         &self.recv_region
     }
 
+    /// Posts receive buffers `indices` under `conn`'s receive ids.
     pub fn post_receives(
         &self,
         conn: u32,
