@@ -101,6 +101,8 @@ pub struct Args {
     pub poll_mode: PollMode,
     /// CQ polls a lone waiting transfer makes itself (`EngineConfig::spin_polls`).
     pub spin_polls: Option<u32>,
+    /// Requests per doorbell at most (`EngineConfig::post_batch`).
+    pub post_batch: u32,
     /// Coalesce small transfers' doorbells and signals (the engine's default; `--no-coalesce`
     /// turns it off).
     pub coalesce: bool,
@@ -200,6 +202,10 @@ pub struct PerftestArgs {
     /// progress task (0: none; default: the engine's)
     #[arg(long = "spin-polls", value_name = "N", help_heading = "rixl options")]
     spin_polls: Option<u32>,
+    /// Work requests per doorbell at most (a coalesced batch, a descriptor list)
+    #[arg(long = "post-batch", value_name = "N", default_value_t = 64,
+          value_parser = clap::value_parser!(u32).range(1..=1024), help_heading = "rixl options")]
+    post_batch: u32,
     /// Share doorbells and signaled completions among concurrent small transfers (the default;
     /// kept for scripts that pass it)
     #[arg(long = "coalesce", help_heading = "rixl options")]
@@ -283,6 +289,7 @@ impl PerftestArgs {
                 .or_else(|| self.out_json.then(|| "perftest_out.json".into())),
             poll_mode: self.poll_mode.into(),
             spin_polls: self.spin_polls,
+            post_batch: self.post_batch,
             coalesce: !self.no_coalesce,
             prepared: self.prepared,
             copy: self.copy,

@@ -121,7 +121,7 @@ fn engine_config(a: &Args, test: Test, max_size: u64, tx_depth: u32, conns: u32)
     }
     cfg.max_connections = conns.max(1);
     cfg.send_queue_depth = tx_depth.clamp(64, 1024);
-    cfg.post_batch = 64;
+    cfg.post_batch = a.post_batch;
     cfg.transfer_timeout = Duration::from_secs(60);
     if test.is_send() {
         cfg.max_message = u32::try_from(max_size.max(4096)).unwrap_or(u32::MAX);
