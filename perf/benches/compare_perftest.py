@@ -105,7 +105,8 @@ def perftest_op_time(size, iters):
     then polls until its completion, like one `.await`; 1 / MsgRate in microseconds."""
     s, c = tool_cmds("perftest", "write_bw", size, iters, 1, None, ["-t", "1"])
     row = parse_row(run_pair(s, c), size)
-    return 1.0 / row[3]
+    # A run that printed a zero message rate (it happens on a stalled guest) has no time per op.
+    return 1.0 / row[3] if row[3] > 0 else None
 
 
 def rixl_lat_imm(rixl, size, iters):
@@ -261,7 +262,11 @@ def main():
         vals, ops, imms = [], [], []
         for _ in range(a.lat_rounds):
             vals.append(await_latency(a.rixl, size, n))
-            ops.append(perftest_op_time(size, 2 * n))
+            op = perftest_op_time(size, 2 * n)
+            if op is None:
+                print(f"ib_write_bw -t 1 {size} B: a zero message rate, round left out", flush=True)
+            else:
+                ops.append(op)
             imms.append(rixl_lat_imm(a.rixl, size, n))
         v, op, imm = statistics.median(vals), statistics.median(ops), statistics.median(imms)
         pt = next(r for r in rows if r["test"] == "write_lat" and r["size"] == size)["perftest"]
@@ -304,6 +309,8 @@ def main():
 if __name__ == "__main__":
     try:
         main()
-    except Exception as e:  # surface the reason, fail the run
+    except Exception as e:  # surface the reason (and where), fail the run
+        import traceback
+        traceback.print_exc()
         print(f"compare-perftest: {e}", file=sys.stderr)
         sys.exit(1)
