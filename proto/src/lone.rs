@@ -1,10 +1,12 @@
-//! The lone transfer: one descriptor a side that fits one request, posted at once with its own
-//! doorbell when the connection is ready, has a send credit and would not coalesce it. It is
-//! most small transfers of a request-response loop (a latency hop), and it takes one call into
-//! the core: the checks, the in-flight slot, the credit and the post, with no plan in between.
+//! The lone transfer: one descriptor a side that fits one request, on a ready connection. It is
+//! most small transfers: a request-response loop's hop, posted at once with its own doorbell
+//! when the connection has a send credit and would not coalesce it, or one of many concurrent
+//! small transfers, queued for the connection's coalesced post. Either takes one call into the
+//! core (the checks, the in-flight slot, and the post or the queueing) with no plan in between.
 //! Anything else (errors included) is left to the general path ([`Core::plan_transfer`],
-//! [`Core::begin`], [`Core::post`]), which does the same for this case and names the errors.
+//! [`Core::begin`], [`Core::post`]), which does the same for these cases and names the errors.
 
+use crate::conn::QueuedWr;
 use crate::core::{fits_one_request, Core};
 use crate::desc::{LocalDesc, Op, RegionInfo, RemoteDesc};
 use crate::error::TransferError;
@@ -35,12 +37,15 @@ impl<Q: SendQueue> Core<Q> {
     /// Posts `t` as one signaled request with its own doorbell, in a new in-flight slot keeping
     /// what `keep` makes alive, if it is valid, fits one request, its connection is ready with
     /// a free send credit, and coalescing would post it at once (the first transfer of its
-    /// turn, or coalescing off). The posting ends here; wait for it with
-    /// [`Core::try_finish`] / [`Core::poll_finish`], as for any other.
+    /// turn, or coalescing off). If coalescing would queue it instead, queues it (one request)
+    /// for the connection's flush ([`Posting::queued`]: the caller schedules the flush with
+    /// [`Core::take_flush_request`], as after [`Core::post`]). The posting ends here (queued:
+    /// at the flush); wait for it with [`Core::try_finish`] / [`Core::poll_finish`], as for any
+    /// other.
     ///
     /// `None` (nothing changed, `keep` not called) for anything else: post it with the general
-    /// path, which plans, queues, waits for credits or names the error. A post the queue refuses
-    /// is the transfer's result and fails the connection, as on the general path.
+    /// path, which plans, waits for credits or names the error. A post the queue refuses is the
+    /// transfer's result and fails the connection, as on the general path.
     pub fn post_lone(
         &mut self,
         t: &LoneTransfer<'_>,
@@ -52,13 +57,37 @@ impl<Q: SendQueue> Core<Q> {
         let turn = self.turn;
         let coalesce = self.cfg.coalesce;
         let c = self.conns.get_mut(t.conn.0 as usize)?;
-        // Decided without counting: a transfer declined here is counted once, by the general
-        // path's decision.
-        if (coalesce && !c.posts_at_once(turn))
-            || c.check_ready(t.conn.0).is_err()
-            || c.credits.available() == 0
+        if c.check_ready(t.conn.0).is_err()
             || !fits_one_request(c.max_msg, &t.region, t.local, t.remote)
         {
+            return None;
+        }
+        let sge = Sge {
+            addr: t.region.addr + t.local.offset,
+            length: t.local.len as u32,
+            lkey: t.region.lkey,
+        };
+        // Decided without counting: a transfer declined here is counted once, by the general
+        // path's decision.
+        if coalesce && !c.posts_at_once(turn) {
+            // Queued, as the general path would (its decision recorded the same way).
+            c.decide_turn(turn);
+            let slot = self.inflight.insert(t.conn.0, keep());
+            let mut p = Posting::lone(t.conn, t.op, slot, t.opts, self.cfg.transfer_timeout);
+            p.set_queued();
+            let op = request_op(&p, t.remote.addr, t.remote.rkey, true);
+            c.pending.push_back(QueuedWr {
+                slot,
+                op,
+                sges: smallvec::smallvec![sge],
+                host: t.region.host,
+                last: true,
+                count: 1,
+            });
+            self.counters.queued += 1;
+            return Some(p);
+        }
+        if c.credits.available() == 0 {
             return None;
         }
         if coalesce {
@@ -72,11 +101,6 @@ impl<Q: SendQueue> Core<Q> {
         let flags = SendFlags {
             inline: t.region.host && c.inline(&op, bytes),
             ..SendFlags::SIGNALED
-        };
-        let sge = Sge {
-            addr: t.region.addr + t.local.offset,
-            length: bytes as u32,
-            lkey: t.region.lkey,
         };
         let posted = post_one_signaled(
             c,

@@ -115,6 +115,11 @@ impl Posting {
         }
     }
 
+    /// Marks a lone transfer queued for its connection's coalesced post.
+    pub(crate) fn set_queued(&mut self) {
+        self.queued = true;
+    }
+
     /// Records a lone request of `bytes`, signaled, posted with its own doorbell.
     pub(crate) fn posted_lone(&mut self, bytes: u64) {
         self.next = 1;

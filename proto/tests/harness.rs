@@ -1819,12 +1819,13 @@ fn general_transfer(
 }
 
 proptest::proptest! {
-    /// A lone transfer (checks, slot, credit and post in one call) is the general path's
-    /// transfer whenever the core takes it: the same request (id, operation, entry, flags)
-    /// with one doorbell, the same counters and the same result, refused posts included. It
-    /// takes every valid one-request transfer the general path would post at once; whatever
-    /// it leaves (errors, transfers to queue or split, no credit) it leaves untouched, so the
-    /// general path then does exactly what it would have done.
+    /// A lone transfer (checks, slot, credit and post or queueing in one call) is the general
+    /// path's transfer whenever the core takes it: the same request (id, operation, entry,
+    /// flags) with one doorbell, or queued and then posted by the flush, the same counters and
+    /// the same result, refused posts included. It takes every valid one-request transfer the
+    /// general path would post at once or queue; whatever it leaves (errors, transfers to split,
+    /// no credit) it leaves untouched, so the general path then does exactly what it would have
+    /// done.
     #[test]
     fn post_lone_agrees_with_the_general_path(
         offset in proptest::prop_oneof![0u64..4096, (1u64 << 30) - 4096..(1u64 << 30) + 8],
@@ -1885,8 +1886,30 @@ proptest::proptest! {
                     .map(|(p, r, n)| (p.queued(), r, n, fx.nic.posted()));
                 proptest::prop_assert_eq!(next(&mut general), next(&mut lone));
             }
+            (Ok((mut p, Poll::Ready(()), 1)), Some(mut q)) if p.queued() => {
+                // Queued for the turn's coalesced post, as the general path queues it.
+                proptest::prop_assert!(q.queued());
+                proptest::prop_assert_eq!(general.nic.posted(), lone.nic.posted());
+                proptest::prop_assert_eq!(general.core.counters(), lone.core.counters());
+                proptest::prop_assert_eq!(general.core.inflight_len(), lone.core.inflight_len());
+                // The flush posts the same requests, and the transfer ends the same.
+                for fx in [&mut general, &mut lone] {
+                    proptest::prop_assert!(fx.core.take_flush_request(fx.conn));
+                    let _ = fx.core.flush(fx.conn, &mut Context::from_waker(Waker::noop()));
+                }
+                proptest::prop_assert_eq!(general.nic.posted(), lone.nic.posted());
+                proptest::prop_assert_eq!(general.core.counters(), lone.core.counters());
+                general.nic.complete_all();
+                lone.nic.complete_all();
+                let (a, b) = (general.poll_noop(&mut p), lone.poll_noop(&mut q));
+                proptest::prop_assert_eq!(&a, &b);
+                proptest::prop_assert_eq!(p.progress(), q.progress());
+                let next = |fx: &mut Fx| general_transfer(fx, Op::Write, local, remote, &TransferOptions::default())
+                    .map(|(p, r, n)| (p.queued(), r, n, fx.nic.posted()));
+                proptest::prop_assert_eq!(next(&mut general), next(&mut lone));
+            }
             (expected, Some(_)) => {
-                proptest::prop_assert!(false, "took what the general path does not post at once: {expected:?}");
+                proptest::prop_assert!(false, "took what the general path does not post at once or queue: {expected:?}");
             }
             (expected, None) => {
                 proptest::prop_assert_eq!(lone.nic.posted().len(), posted_before);
@@ -1900,8 +1923,8 @@ proptest::proptest! {
                     (Ok((p, r, n)), Ok((q, s, m))) => {
                         proptest::prop_assert_eq!((r, n, p.queued()), (s, m, q.queued()));
                         proptest::prop_assert!(
-                            r.is_pending() || n > 1 || p.queued(),
-                            "left a transfer the general path posts at once"
+                            r.is_pending() || n > 1,
+                            "left a transfer the general path posts at once or queues"
                         );
                     }
                     (Err(e), Err(f)) => proptest::prop_assert_eq!(e.to_string(), f.to_string()),
@@ -2000,4 +2023,29 @@ fn a_lone_transfer_the_core_leaves_to_the_general_path_does_not_count_towards_a_
         probe.queued(),
         "the probe, when it would have come without the declined ones"
     );
+}
+
+#[test]
+fn a_lone_transfer_coalescing_would_queue_is_queued_and_posted_by_the_flush() {
+    let mut cfg = config();
+    cfg.coalesce = true;
+    let mut fx = Fx::with(cfg, 16);
+    let mut first = lone_64(&mut fx, Op::Write);
+    assert!(!first.queued(), "the turn's first is posted at once");
+    let mut second = lone_64(&mut fx, Op::Read);
+    assert!(second.queued(), "a later one waits for the turn's flush");
+    assert_eq!(fx.nic.posted().len(), 1);
+    assert_eq!(fx.core.counters().queued, 1);
+    assert!(fx.core.take_flush_request(fx.conn));
+    assert!(fx
+        .core
+        .flush(fx.conn, &mut Context::from_waker(Waker::noop()))
+        .is_ready());
+    let posted = fx.nic.posted();
+    assert_eq!(posted.len(), 2);
+    assert_eq!(posted[1].doorbell, 2, "its own doorbell, rung by the flush");
+    fx.nic.complete_all();
+    assert_eq!(fx.poll_noop(&mut first), Poll::Ready(Ok(())));
+    assert_eq!(fx.poll_noop(&mut second), Poll::Ready(Ok(())));
+    assert_eq!(fx.core.inflight_len(), 0);
 }

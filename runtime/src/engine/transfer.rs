@@ -8,7 +8,7 @@ use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use rixl_proto::RemoteDesc;
-use rixl_proto::{ConnId, LocalDesc, LoneTransfer, Op, Plan, RegionInfo};
+use rixl_proto::{ConnId, LocalDesc, LoneTransfer, Op, Plan, Posting, RegionInfo};
 use rixl_proto::{DescriptorRanges, TransferFailure, TransferOptions, TransferStats};
 use smallvec::SmallVec;
 use tracing::Instrument;
@@ -370,8 +370,9 @@ async fn transfer_inner(
 ) -> Result<TransferStats, TransferFailure> {
     let clock = || inner.cfg.timing.then(Instant::now);
     let t0 = clock();
-    // One descriptor a side, one request, posted at once (a latency hop): checked, given its
-    // slot and credit and posted in one call into the core, with no plan.
+    // One descriptor a side, one request, posted at once (a latency hop) or queued for the
+    // turn's coalesced post: checked, given its slot (and credit) and posted or queued in one
+    // call into the core, with no plan.
     if let Some((r, d, rd)) = one_each(inner, local, remote) {
         let lone = LoneTransfer {
             conn,
@@ -385,13 +386,23 @@ async fn transfer_inner(
             regions: smallvec::smallvec![r.clone()],
             _message: None,
         };
-        let posting = inner.core.borrow_mut().post_lone(&lone, keep);
+        let (posting, flush) = {
+            let mut core = inner.core.borrow_mut();
+            let posting = core.post_lone(&lone, keep);
+            let flush =
+                posting.as_ref().is_some_and(Posting::queued) && core.take_flush_request(conn);
+            (posting, flush)
+        };
         if let Some(posting) = posting {
             if let Some(span) = span {
                 span.record("bytes", d.len);
                 span.record("wrs", 1);
             }
-            inner.kick_progress();
+            if flush {
+                crate::supervise::spawn("flush queue", flush_queue(Rc::clone(inner), conn));
+            } else if !posting.queued() {
+                inner.kick_progress();
+            }
             let mut guard = SlotGuard {
                 inner: Rc::clone(inner),
                 posting,
