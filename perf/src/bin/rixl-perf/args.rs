@@ -85,6 +85,8 @@ pub struct Args {
     pub server: Option<String>,
     pub device: Option<String>,
     pub ib_port: u8,
+    /// The queue pairs' local ACK timeout exponent (4.096 µs x 2^N).
+    pub qp_timeout: u8,
     pub gid_index: Option<u32>,
     pub sizes: Vec<u64>,
     pub iters: u64,
@@ -141,6 +143,10 @@ pub struct PerftestArgs {
         default_value_t = 1
     )]
     ib_port: u8,
+    /// QP timeout: a request waits 4.096 us * 2^N for its ACK before it is retransmitted
+    #[arg(short = 'u', long = "qp-timeout", value_name = "N", default_value_t = 14,
+          value_parser = clap::value_parser!(u8).range(0..=31))]
+    qp_timeout: u8,
     /// GID index [default: $RIXL_GID_INDEX or 1]
     #[arg(short = 'x', long = "gid-index", value_name = "IDX")]
     gid_index: Option<u32>,
@@ -268,6 +274,7 @@ impl PerftestArgs {
                 .device
                 .or_else(|| std::env::var("RIXL_RDMA_DEVICE").ok()),
             ib_port: self.ib_port,
+            qp_timeout: self.qp_timeout,
             gid_index: self.gid_index.or_else(|| {
                 std::env::var("RIXL_GID_INDEX")
                     .ok()

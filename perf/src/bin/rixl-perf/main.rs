@@ -111,6 +111,7 @@ fn engine_config(a: &Args, test: Test, max_size: u64, tx_depth: u32, conns: u32)
         cfg.connect.gid_index = g;
     }
     cfg.connect.port = a.ib_port;
+    cfg.connect.timeout = a.qp_timeout;
     cfg.poll_mode = a.poll_mode;
     cfg.coalesce = a.coalesce;
     if let Some(n) = a.spin_polls {
