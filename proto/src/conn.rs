@@ -120,6 +120,20 @@ pub(crate) struct QueuedWr {
     pub count: usize,
 }
 
+impl QueuedWr {
+    /// The one request of a one-request transfer or message.
+    pub fn single(slot: SlotId, op: SendOp, sge: Sge, host: bool) -> Self {
+        QueuedWr {
+            slot,
+            op,
+            sges: smallvec::smallvec![sge],
+            host,
+            last: true,
+            count: 1,
+        }
+    }
+}
+
 pub(crate) struct Connection<Q> {
     /// Unique per core, unlike the slab id (reused after a close) and the QP number (which a
     /// device may reuse): what a prepared transfer is bound to.

@@ -69,35 +69,29 @@ impl<Q: SendQueue> Core<Q> {
         };
         // Decided without counting: a transfer declined here is counted once, by the general
         // path's decision.
-        if coalesce && !c.posts_at_once(turn) {
-            // Queued, as the general path would (its decision recorded the same way).
-            c.decide_turn(turn);
-            let slot = self.inflight.insert(t.conn.0, keep());
-            let mut p = Posting::lone(t.conn, t.op, slot, t.opts, self.cfg.transfer_timeout);
-            p.set_queued();
-            let op = request_op(&p, t.remote.addr, t.remote.rkey, true);
-            c.pending.push_back(QueuedWr {
-                slot,
-                op,
-                sges: smallvec::smallvec![sge],
-                host: t.region.host,
-                last: true,
-                count: 1,
-            });
-            self.counters.queued += 1;
-            return Some(p);
-        }
-        if c.credits.available() == 0 {
+        let queue = coalesce && !c.posts_at_once(turn);
+        if !queue && c.credits.available() == 0 {
             return None;
         }
         if coalesce {
-            // Posted at once, as `posts_at_once` said: recorded.
+            // Recorded as `posts_at_once` said: queued, or posted at once (taking the turn).
             c.decide_turn(turn);
         }
         let slot = self.inflight.insert(t.conn.0, keep());
         let mut p = Posting::lone(t.conn, t.op, slot, t.opts, self.cfg.transfer_timeout);
-        let bytes = t.local.len;
         let op = request_op(&p, t.remote.addr, t.remote.rkey, true);
+        if queue {
+            // For the turn's flush, as the general path queues it.
+            if self.enqueue(
+                t.conn,
+                slot,
+                [QueuedWr::single(slot, op, sge, t.region.host)],
+            ) {
+                p.set_queued();
+            }
+            return Some(p);
+        }
+        let bytes = t.local.len;
         let flags = SendFlags {
             inline: t.region.host && c.inline(&op, bytes),
             ..SendFlags::SIGNALED

@@ -367,7 +367,7 @@ impl<Q: SendQueue> Core<Q> {
 
     /// Queues the requests `wrs` of `slot` for `conn`'s coalesced post; whether they were
     /// queued. If the connection is unknown or not ready, ends the slot with that error instead.
-    fn enqueue(
+    pub(crate) fn enqueue(
         &mut self,
         conn: ConnId,
         slot: SlotId,
@@ -546,18 +546,7 @@ impl<Q: SendQueue> Core<Q> {
         let mut p = self.begin(conn, op_kind(op), keep, &TransferOptions::default());
         p.started = true;
         p.posted = true;
-        p.queued |= self.enqueue(
-            conn,
-            p.slot,
-            [QueuedWr {
-                slot: p.slot,
-                op,
-                sges: smallvec::smallvec![sge],
-                host,
-                last: true,
-                count: 1,
-            }],
-        );
+        p.queued |= self.enqueue(conn, p.slot, [QueuedWr::single(p.slot, op, sge, host)]);
         p
     }
 
