@@ -8,7 +8,7 @@ use std::task::{Context, Poll};
 use rixl_proto::{ConnId, Core, Delivery, HeldBuffer, Message, Posting, Received, SendOp, Sge};
 
 use super::nic::{received_bytes, KeepAlive, MessageSlots, VerbsQueue};
-use super::transfer::flush_queue;
+use super::transfer::spawn_flush;
 use super::wait::{reap_until, wait_slot, SlotGuard};
 use super::{Engine, Inner};
 use crate::desc::Region;
@@ -254,7 +254,7 @@ fn queue_message(
     let flush = posting.queued() && core.take_flush_request(conn);
     drop(core);
     if flush {
-        crate::supervise::spawn("flush queue", flush_queue(Rc::clone(inner), conn));
+        spawn_flush(inner, conn);
     }
     posting
 }

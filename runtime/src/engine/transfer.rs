@@ -399,7 +399,7 @@ async fn transfer_inner(
                 span.record("wrs", 1);
             }
             if flush {
-                crate::supervise::spawn("flush queue", flush_queue(Rc::clone(inner), conn));
+                spawn_flush(inner, conn);
             } else if !posting.queued() {
                 inner.kick_progress();
             }
@@ -516,7 +516,7 @@ async fn post_plan(
             inner.kick_progress();
         }
         if flush {
-            crate::supervise::spawn("flush queue", flush_queue(Rc::clone(inner), conn));
+            spawn_flush(inner, conn);
         }
         r
     })
@@ -525,8 +525,14 @@ async fn post_plan(
     guard
 }
 
+/// Runs `conn`'s flush (the core granted its flush request) as a task of its own, behind the
+/// tasks runnable now.
+pub(super) fn spawn_flush(inner: &Rc<Inner>, conn: ConnId) {
+    crate::supervise::spawn("flush queue", flush_queue(Rc::clone(inner), conn));
+}
+
 /// Posts `conn`'s queued small transfers, one doorbell per batch, until the queue is empty.
-pub(super) async fn flush_queue(inner: Rc<Inner>, conn: ConnId) {
+async fn flush_queue(inner: Rc<Inner>, conn: ConnId) {
     // glommio's `spawn_local` runs a new task at once, inside the spawner's poll: without this
     // yield the flush would post the one transfer just queued. Yielding first puts it behind
     // the tasks already runnable in this tick, so their transfers share its doorbell.

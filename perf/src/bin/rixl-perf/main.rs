@@ -101,6 +101,20 @@ fn s<E: std::fmt::Display>(e: E) -> String {
     e.to_string()
 }
 
+/// Receives one message on `conn`: copied out (`Engine::recv`, `--recv-copy`) or read in place
+/// (`Engine::recv_with`, as perftest's receiver reads its buffers).
+async fn recv_one(
+    e: &Engine,
+    conn: ConnId,
+    copy: bool,
+) -> Result<(), rixl::runtime::TransferError> {
+    if copy {
+        e.recv(conn).await.map(drop)
+    } else {
+        e.recv_with(conn, |_| ()).await
+    }
+}
+
 /// Engine configuration for a test with messages up to `max_size`.
 fn engine_config(a: &Args, test: Test, max_size: u64, tx_depth: u32, conns: u32) -> EngineConfig {
     let mut cfg = EngineConfig::from_env();
@@ -248,11 +262,7 @@ async fn server(a: Args) -> Res<()> {
                         run_xfer!(engine, &pong)?;
                         continue;
                     }
-                    if a.recv_copy {
-                        engine.recv(conn0).await.map_err(s)?;
-                    } else {
-                        engine.recv_with(conn0, |_| ()).await.map_err(s)?;
-                    }
+                    recv_one(&engine, conn0, a.recv_copy).await.map_err(s)?;
                     if a.test.is_send() && a.copy {
                         engine.send(conn0, &reply, None).await.map_err(s)?;
                     } else if a.test.is_send() {
@@ -284,11 +294,7 @@ async fn server(a: Args) -> Res<()> {
                             n / conns.len() as u64 + u64::from((k as u64) < n % conns.len() as u64);
                         glommio::spawn_local(async move {
                             for _ in 0..share {
-                                if copy {
-                                    e.recv(c).await?;
-                                } else {
-                                    e.recv_with(c, |_| ()).await?;
-                                }
+                                recv_one(&e, c, copy).await?;
                                 got.set(got.get() + 1);
                             }
                             Ok::<_, rixl::runtime::TransferError>(())
@@ -734,11 +740,7 @@ fn client_lat(a: &Args, host: &str) -> Res<(Vec<LatRow>, Vec<LatRow>)> {
                                     breakdown.record(t, done, cycles::ticks());
                                 }
                             } else {
-                                if a.recv_copy {
-                                    c.engine.recv(conn).await.map_err(s)?;
-                                } else {
-                                    c.engine.recv_with(conn, |_| ()).await.map_err(s)?;
-                                }
+                                recv_one(&c.engine, conn, a.recv_copy).await.map_err(s)?;
                                 if i >= warm {
                                     sent.push(done.wrapping_sub(t));
                                     replied.push(cycles::ticks().wrapping_sub(done));
