@@ -206,10 +206,7 @@ pub(crate) fn received_bytes(region: &Region, max_message: u32, index: u32, len:
     let start = index as usize * max_message as usize;
     region
         .host_memory()
-        .and_then(|h| {
-            h.as_slice()
-                .get(start..start + len.min(max_message) as usize)
-        })
+        .and_then(|h| h.slice_at(start, len.min(max_message) as usize))
         .unwrap_or(&[])
 }
 
