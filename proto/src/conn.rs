@@ -7,7 +7,7 @@ use smallvec::SmallVec;
 
 use crate::credits::SendCredits;
 use crate::error::TransferError;
-use crate::inbox::Inbound;
+use crate::inbox::Delivery;
 use crate::inflight::{InflightTable, SlotId};
 use crate::wire::{SendOp, Sge};
 
@@ -142,7 +142,7 @@ pub(crate) struct Connection<Q> {
     pub state: ConnState,
     pub credits: SendCredits,
     pub credit_waiters: Vec<Waker>,
-    pub inbox: VecDeque<Inbound>,
+    pub inbox: VecDeque<Delivery>,
     /// Receive buffers holding a payload for the reader (in the inbox or lent to it).
     pub held: u32,
     /// At most this many buffers are held; past it payloads are copied out on arrival.

@@ -22,15 +22,6 @@ use crate::queue::SendQueue;
 use crate::stats::{ConnId, Message};
 use crate::wire::{Completion, WcOpcode};
 
-/// A message as an inbox keeps it.
-#[derive(Debug)]
-pub(crate) enum Inbound {
-    /// Still in its receive buffer, which is posted again once the reader is done with it.
-    Held(HeldBuffer),
-    /// Copied out of its buffer (or an immediate, which has none).
-    Ready(Message),
-}
-
 /// A received payload still in its receive buffer, lent to the reader: read it in place (the
 /// runtime reads buffer [`Self::index`] of its connection's receive region), then hand it back
 /// with [`Core::release_received`], which posts the buffer again. Until then the NIC does not
@@ -73,7 +64,7 @@ impl HeldBuffer {
     }
 }
 
-/// What a reader takes from an inbox.
+/// A message as an inbox keeps it, and as a reader takes it.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Delivery {
     /// A payload in its receive buffer (read it, then release it).
@@ -184,10 +175,7 @@ impl<Q: SendQueue> Core<Q> {
                     }
                 }
             }
-            return Poll::Ready(Ok(match m {
-                Inbound::Held(h) => Delivery::Held(h),
-                Inbound::Ready(m) => Delivery::Message(m),
-            }));
+            return Poll::Ready(Ok(m));
         }
         if let Err(e) = c.check_live(conn.0) {
             return Poll::Ready(Err(e));
@@ -220,13 +208,13 @@ impl<Q: SendQueue> Core<Q> {
     pub(crate) fn route_recv(&mut self, wc: &Completion) {
         let conn = ((wc.wr_id >> 16) & 0xffff) as u32;
         let index = (wc.wr_id & 0xffff) as u32;
-        if self.conn_of_qpn(wc.qp_num) != Some(ConnId(conn)) {
-            // A late completion of a removed connection whose slot was taken since.
-            self.counters.stale_completions += 1;
-            return;
-        }
-        let Some(c) = self.conns.get_mut(conn as usize) else {
-            return;
+        let c = match self.conns.get_mut(conn as usize) {
+            Some(c) if c.queue.qpn() == wc.qp_num => c,
+            // Unknown, or a late completion of a removed connection whose slot was taken since.
+            _ => {
+                self.counters.stale_completions += 1;
+                return;
+            }
         };
         if !wc.is_success() {
             // Flushed receives of a failing connection.
@@ -235,7 +223,7 @@ impl<Q: SendQueue> Core<Q> {
         if wc.opcode != WcOpcode::RecvRdmaWithImm && c.reader_lends && c.held < c.held_limit {
             // Left in its buffer until the reader takes it.
             c.held += 1;
-            c.inbox.push_back(Inbound::Held(HeldBuffer {
+            c.inbox.push_back(Delivery::Held(HeldBuffer {
                 conn: ConnId(conn),
                 epoch: c.epoch,
                 wr_id: wc.wr_id,
@@ -248,7 +236,7 @@ impl<Q: SendQueue> Core<Q> {
                 WcOpcode::RecvRdmaWithImm => Message::Immediate(wc.imm.unwrap_or(0)),
                 _ => Message::Data(c.queue.received(index, wc.byte_len).to_vec(), wc.imm),
             };
-            c.inbox.push_back(Inbound::Ready(msg));
+            c.inbox.push_back(Delivery::Message(msg));
             if c.inbox.len() > INBOX_LIMIT {
                 // The reader is behind: the buffer is posted again when it takes a message.
                 c.deferred_recvs.push((wc.wr_id, index));

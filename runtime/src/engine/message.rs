@@ -192,7 +192,6 @@ async fn next_in_inbox<T>(
 struct Lent {
     inner: Rc<Inner>,
     region: Option<Region>,
-    max_message: u32,
     held: Option<HeldBuffer>,
 }
 
@@ -206,14 +205,13 @@ impl Lent {
         Lent {
             inner: Rc::clone(inner),
             region,
-            max_message: inner.cfg.max_message,
             held: Some(held),
         }
     }
 
     fn bytes(&self) -> &[u8] {
         match (&self.region, &self.held) {
-            (Some(r), Some(h)) => received_bytes(r, self.max_message, h.index(), h.len()),
+            (Some(r), Some(h)) => received_bytes(r, self.inner.cfg.max_message, h.index(), h.len()),
             _ => &[],
         }
     }
