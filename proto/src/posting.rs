@@ -367,7 +367,7 @@ impl<Q: SendQueue> Core<Q> {
 
     /// Queues the requests `wrs` of `slot` for `conn`'s coalesced post; whether they were
     /// queued. If the connection is unknown or not ready, ends the slot with that error instead.
-    pub(crate) fn enqueue(
+    fn enqueue(
         &mut self,
         conn: ConnId,
         slot: SlotId,
