@@ -386,13 +386,10 @@ async fn transfer_inner(
             regions: smallvec::smallvec![r.clone()],
             _message: None,
         };
-        let (posting, flush) = {
-            let mut core = inner.core.borrow_mut();
-            let posting = core.post_lone(&lone, keep);
-            let flush =
-                posting.as_ref().is_some_and(Posting::queued) && core.take_flush_request(conn);
-            (posting, flush)
-        };
+        let posting = inner.core.borrow_mut().post_lone(&lone, keep);
+        // A queued one asks for its connection's flush (only the first of a turn gets it).
+        let flush = posting.as_ref().is_some_and(Posting::queued)
+            && inner.core.borrow_mut().take_flush_request(conn);
         if let Some(posting) = posting {
             if let Some(span) = span {
                 span.record("bytes", d.len);
