@@ -9,6 +9,8 @@ FUNCTION (a substring of a function's name), the blocks inside it with their sou
 (`addr2line -i`: the inlined calls too).
 """
 import bisect
+import os
+import re
 import collections
 import subprocess
 import sys
@@ -46,7 +48,11 @@ def symbols(path):
         f = l.split()
         if f and f[0] == "LOAD" and "E" in f[6:]:
             shifts.append((int(f[1], 16), int(f[2], 16)))
-    out = subprocess.run(["nm", "-C", "--defined-only", "-n", path], capture_output=True, text=True).stdout
+    # A library's separate debug file (Debian's -dbg packages) names its internal functions.
+    bid = subprocess.run(["readelf", "-nW", path], capture_output=True, text=True).stdout
+    m = re.search(r"Build ID: ([0-9a-f]+)", bid)
+    debug = m and f"/usr/lib/debug/.build-id/{m.group(1)[:2]}/{m.group(1)[2:]}.debug"
+    out = subprocess.run(["nm", "-C", "--defined-only", "-n", debug if debug and os.path.exists(debug) else path], capture_output=True, text=True).stdout
     if not out.strip():
         out = subprocess.run(["nm", "-D", "-C", "--defined-only", "-n", path], capture_output=True, text=True).stdout
     syms = []
