@@ -8,7 +8,6 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use slab::Slab;
-use smallvec::SmallVec;
 
 use crate::conn::{unknown, ConnParams, ConnState, Connection};
 use crate::deadline::{Deadlines, Due};
@@ -535,16 +534,22 @@ impl<Q: SendQueue> Core<Q> {
             .iter()
             .find(|r| r.qpn == wc.qp_num)
             .map(|r| r.conn);
-        let mut wake: SmallVec<[std::task::Waker; 4]> = SmallVec::new();
+        // Wakers are woken where they are found: a wake only schedules its task (nothing runs
+        // inside it that could reach this core), and collecting them first cost a list built,
+        // drained and dropped per completion on the latency path.
         let mut failed = None;
         if let Some(c) = conn.and_then(|k| self.conns.get_mut(k as usize)) {
             if signaled {
                 c.credits.on_signaled_completion();
-                wake.extend(c.credit_waiters.drain(..));
+                if !c.credit_waiters.is_empty() {
+                    c.credit_waiters.drain(..).for_each(std::task::Waker::wake);
+                }
             }
             if !wc.is_success() && c.state == ConnState::Ready {
                 c.state = ConnState::Failed(wc.status.to_string());
-                wake.extend(c.take_waiters());
+                c.take_waiters()
+                    .into_iter()
+                    .for_each(std::task::Waker::wake);
                 failed = conn;
             }
         }
@@ -555,9 +560,6 @@ impl<Q: SendQueue> Core<Q> {
         if let Some(conn) = failed {
             tracing::warn!(conn, status = %wc.status, "connection failed by an error completion");
             self.inflight.fail_connection(conn, &TransferError::Flushed);
-        }
-        for w in wake {
-            w.wake();
         }
     }
 }

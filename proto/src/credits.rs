@@ -70,6 +70,16 @@ impl SendCredits {
         self.since_signal = 0;
     }
 
+    /// Records one posted request, signaled, as its own batch: [`Self::commit`] of
+    /// `plan(1)` without the plan (the latency path's post).
+    #[inline]
+    pub fn commit_one_signaled(&mut self) {
+        debug_assert!(self.free > 0, "posted past the send queue depth");
+        self.free -= 1;
+        self.frees.push_back(self.since_signal + 1);
+        self.since_signal = 0;
+    }
+
     /// A signaled request completed (successfully or flushed): frees its slots.
     pub fn on_signaled_completion(&mut self) {
         if let Some(n) = self.frees.pop_front() {
@@ -166,6 +176,36 @@ impl ExactSizeIterator for Flags {}
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn one_signaled_request_commits_as_a_planned_batch_of_one() {
+        // After every mix of earlier batches (unsignaled requests pending or not), the shortcut
+        // leaves the credits as commit(plan(1)) does, and both free the same on completion.
+        for first in 0..6u32 {
+            let mut a = SendCredits::new(16, 4);
+            if first > 0 {
+                let p = a.plan_every(first, 4);
+                a.commit(p);
+                // A batch ends signaled; leave an unsignaled tail counted in `since_signal`.
+                a.since_signal = first % 3;
+            }
+            let mut b = a.clone();
+            a.commit(a.plan(1));
+            b.commit_one_signaled();
+            assert_eq!(
+                (a.free, a.since_signal, &a.frees),
+                (b.free, b.since_signal, &b.frees),
+                "after a batch of {first}"
+            );
+            while !a.is_idle() {
+                a.on_signaled_completion();
+                b.on_signaled_completion();
+                assert_eq!(a.available(), b.available());
+            }
+            assert!(b.is_idle());
+            assert_eq!(b.available(), 16);
+        }
+    }
 
     #[test]
     fn signals_every_interval_and_the_last_of_each_batch() {

@@ -637,7 +637,7 @@ pub(crate) fn post_one_signaled<Q: SendQueue>(
         return Err(TransferError::EngineGone);
     };
     post(&mut c.queue, slot.wr_id(true), keep).map_err(|e| TransferError::Post(e.to_string()))?;
-    c.credits.commit(c.credits.plan(1));
+    c.credits.commit_one_signaled();
     inflight.add_signaled(slot, 1);
     counters.work_requests += 1;
     counters.doorbells += 1;

@@ -281,8 +281,8 @@ fn check_and_plan(
     let core = inner.core.borrow();
     // One descriptor a side (most small transfers): planned directly if valid and fitting one
     // request. Anything else, errors included, takes the general path.
-    if let Some((r, d, rd)) = one_each(inner, local, remote) {
-        if let Some(epoch) = core.plan_single(conn, op, &info(r), d, rd, notify_imm, plan) {
+    if let Some((_, region, d, rd)) = one_each(inner, local, remote) {
+        if let Some(epoch) = core.plan_single(conn, op, &region, d, rd, notify_imm, plan) {
             return Ok(epoch);
         }
     }
@@ -298,13 +298,13 @@ fn check_and_plan(
                 .position(|d| d.region as usize == i)
                 .unwrap_or(0)
         };
-        if r.registration().is_none() {
+        let Some(info) = r.plan_info() else {
             return Err(InvalidDescriptor::NotRegistered { index: index() }.into());
-        }
+        };
         if r.engine_id() != inner.id {
             return Err(InvalidDescriptor::ForeignRegion { index: index() }.into());
         }
-        regions.push(info(r));
+        regions.push(info);
     }
     core.plan_transfer(
         conn,
@@ -317,17 +317,17 @@ fn check_and_plan(
     )
 }
 
-/// The region and descriptors of a transfer of one descriptor a side in one region registered
-/// with this engine: the shape the core's one-request paths take.
+/// The region (with what the core needs of it) and descriptors of a transfer of one descriptor
+/// a side in one region registered with this engine: the shape the core's one-request paths
+/// take.
+#[inline]
 fn one_each<'a>(
     inner: &Inner,
     local: &'a LocalDescList,
     remote: &'a RemoteDescList,
-) -> Option<(&'a Region, &'a LocalDesc, &'a RemoteDesc)> {
+) -> Option<(&'a Region, RegionInfo, &'a LocalDesc, &'a RemoteDesc)> {
     match (local.regions(), local.descs(), &remote.0[..]) {
-        ([r], [d], [rd]) if r.registration().is_some() && r.engine_id() == inner.id => {
-            Some((r, d, rd))
-        }
+        ([r], [d], [rd]) if r.engine_id() == inner.id => Some((r, r.plan_info()?, d, rd)),
         _ => None,
     }
 }
@@ -348,16 +348,6 @@ fn set_times(
     stats.total = since(t0, end);
 }
 
-/// What the core needs to know of a local region to plan with it.
-fn info(r: &Region) -> RegionInfo {
-    RegionInfo {
-        addr: r.addr(),
-        len: r.len(),
-        lkey: r.lkey(),
-        host: !r.is_gpu(),
-    }
-}
-
 /// A READ or WRITE: check and plan, post, wait. `span`: the transfer's, when enabled.
 async fn transfer_inner(
     inner: &Rc<Inner>,
@@ -373,11 +363,11 @@ async fn transfer_inner(
     // One descriptor a side, one request, posted at once (a latency hop) or queued for the
     // turn's coalesced post: checked, given its slot (and credit) and posted or queued in one
     // call into the core, with no plan.
-    if let Some((r, d, rd)) = one_each(inner, local, remote) {
+    if let Some((r, region, d, rd)) = one_each(inner, local, remote) {
         let lone = LoneTransfer {
             conn,
             op,
-            region: info(r),
+            region,
             local: d,
             remote: rd,
             opts: &opts,
