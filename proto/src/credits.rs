@@ -4,8 +4,6 @@
 //! (RC completes in order). So the engine signals at least every `interval` requests and the last
 //! of every batch, and remembers, per signaled request, how many slots its completion frees.
 
-use std::collections::VecDeque;
-
 /// Credits of one send queue.
 #[derive(Debug, Clone)]
 pub struct SendCredits {
@@ -13,7 +11,84 @@ pub struct SendCredits {
     depth: u32,
     interval: u32,
     since_signal: u32,
-    frees: VecDeque<u32>,
+    frees: FreeRing,
+}
+
+/// How many slots each outstanding signaled request frees, oldest first. A ring of `depth`
+/// entries: each signaled request holds at least one slot, so no more are ever outstanding
+/// (it grows if that were broken). Its push and pop are a few instructions inlined into the
+/// latency path's post and completion, where `VecDeque`'s were calls.
+#[derive(Debug, Clone)]
+struct FreeRing {
+    buf: Box<[u32]>,
+    head: usize,
+    len: usize,
+}
+
+impl FreeRing {
+    fn new(capacity: u32) -> Self {
+        FreeRing {
+            buf: vec![0; capacity.max(1) as usize].into_boxed_slice(),
+            head: 0,
+            len: 0,
+        }
+    }
+
+    #[inline(always)]
+    fn push_back(&mut self, n: u32) {
+        if self.len == self.buf.len() {
+            self.grow();
+        }
+        let mut i = self.head + self.len;
+        if i >= self.buf.len() {
+            i -= self.buf.len();
+        }
+        self.buf[i] = n;
+        self.len += 1;
+    }
+
+    #[inline(always)]
+    fn pop_front(&mut self) -> Option<u32> {
+        if self.len == 0 {
+            return None;
+        }
+        let n = self.buf[self.head];
+        self.head += 1;
+        if self.head == self.buf.len() {
+            self.head = 0;
+        }
+        self.len -= 1;
+        Some(n)
+    }
+
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    #[cold]
+    fn grow(&mut self) {
+        let old = std::mem::take(self);
+        let mut buf = Vec::with_capacity(old.buf.len() * 2);
+        buf.extend(old.iter());
+        let len = buf.len();
+        buf.resize(old.buf.len() * 2, 0);
+        *self = FreeRing {
+            buf: buf.into_boxed_slice(),
+            head: 0,
+            len,
+        };
+    }
+
+    /// Oldest first.
+    fn iter(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..self.len).map(|k| self.buf[(self.head + k) % self.buf.len()])
+    }
+}
+
+impl Default for FreeRing {
+    fn default() -> Self {
+        FreeRing::new(1)
+    }
 }
 
 impl SendCredits {
@@ -24,7 +99,7 @@ impl SendCredits {
             depth,
             interval: interval.max(1),
             since_signal: 0,
-            frees: VecDeque::new(),
+            frees: FreeRing::new(depth),
         }
     }
 
@@ -81,6 +156,7 @@ impl SendCredits {
     }
 
     /// A signaled request completed (successfully or flushed): frees its slots.
+    #[inline]
     pub fn on_signaled_completion(&mut self) {
         if let Some(n) = self.frees.pop_front() {
             self.free = (self.free + n).min(self.depth);
@@ -178,6 +254,34 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_free_ring_is_a_fifo_across_wraps_and_growth() {
+        let mut ring = FreeRing::new(3);
+        let mut model = std::collections::VecDeque::new();
+        // Pushes and pops that wrap the ring many times, then more than it holds at once.
+        for step in 0..40u32 {
+            let pushes = if step == 30 { 7 } else { 1 + step % 3 };
+            for k in 0..pushes {
+                ring.push_back(step * 10 + k);
+                model.push_back(step * 10 + k);
+            }
+            let pops = if step == 30 {
+                2
+            } else {
+                pushes.min(model.len() as u32)
+            };
+            for _ in 0..pops {
+                assert_eq!(ring.pop_front(), model.pop_front(), "step {step}");
+            }
+            assert_eq!(ring.iter().collect::<Vec<_>>(), Vec::from(model.clone()));
+        }
+        while let Some(n) = model.pop_front() {
+            assert_eq!(ring.pop_front(), Some(n));
+        }
+        assert!(ring.is_empty());
+        assert_eq!(ring.pop_front(), None);
+    }
+
+    #[test]
     fn one_signaled_request_commits_as_a_planned_batch_of_one() {
         // After every mix of earlier batches (unsignaled requests pending or not), the shortcut
         // leaves the credits as commit(plan(1)) does, and both free the same on completion.
@@ -193,8 +297,8 @@ mod tests {
             a.commit(a.plan(1));
             b.commit_one_signaled();
             assert_eq!(
-                (a.free, a.since_signal, &a.frees),
-                (b.free, b.since_signal, &b.frees),
+                (a.free, a.since_signal, a.frees.iter().collect::<Vec<_>>()),
+                (b.free, b.since_signal, b.frees.iter().collect::<Vec<_>>()),
                 "after a batch of {first}"
             );
             while !a.is_idle() {

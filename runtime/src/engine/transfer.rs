@@ -140,6 +140,14 @@ impl Engine {
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferFailure> {
         probe::stamp(Point::Entry);
+        let inner = &self.inner;
+        // No subscriber takes debug spans or events (the usual case): no span made, entered or
+        // dropped, and no event checked after the result (one load of the global level here).
+        if !tracing::level_enabled!(tracing::Level::DEBUG) {
+            let result = transfer_inner(inner, conn, op, local, remote, opts, None).await;
+            inner.core.borrow_mut().count_result(result.is_ok());
+            return result;
+        }
         let span = tracing::debug_span!(
             "transfer",
             engine = self.inner.id,
@@ -149,7 +157,6 @@ impl Engine {
             bytes = tracing::field::Empty,
             wrs = tracing::field::Empty
         );
-        let inner = &self.inner;
         // Without a debug subscriber the span is disabled: no `Instrumented` layer (a span
         // entered and left on every poll, and one more future to move) around the transfer.
         // (Each branch makes its future where it awaits it: a future bound first is moved,
@@ -225,6 +232,12 @@ impl Engine {
     ) -> Result<TransferStats, TransferFailure> {
         probe::stamp(Point::Entry);
         let inner = Rc::clone(&self.inner);
+        // As in `transfer_ranges`: no span without a debug subscriber.
+        if !tracing::level_enabled!(tracing::Level::DEBUG) {
+            let result = post_prepared(&inner, prepared, &opts).await;
+            inner.core.borrow_mut().count_result(result.is_ok());
+            return result;
+        }
         let span = tracing::debug_span!(
             "post",
             engine = inner.id,

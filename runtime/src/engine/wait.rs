@@ -120,27 +120,28 @@ fn reap_into<T>(
 /// transfers in flight it polls once and leaves the rest to the progress task, which serves
 /// them all.
 pub(super) async fn wait_slot(guard: &mut SlotGuard) -> Result<(), TransferError> {
-    let inner = Rc::clone(&guard.inner);
+    // The guard's two fields borrowed apart (no clone of the engine's `Rc` per wait).
+    let SlotGuard { inner, posting } = guard;
+    let inner: &Inner = inner;
     let r = poll_fn(|cx| {
         let mut core = inner.core.borrow_mut();
-        if let Poll::Ready(r) = core.try_finish(&mut guard.posting) {
+        if let Poll::Ready(r) = core.try_finish(posting) {
             return Poll::Ready(r);
         }
         // A queued transfer's flush is a task that has not run yet when it first waits:
         // spinning for it would only delay it (after the flush, the flush's own reap or the
         // progress task completes it).
-        let polls = if core.inflight_len() <= 1 && !guard.posting.queued() {
+        let polls = if core.inflight_len() <= 1 && !posting.queued() {
             inner.cfg.spin_polls
         } else {
             1
         };
-        let posting = &mut guard.posting;
-        let reaped = reap_until(&inner, &mut core, polls, |c| c.try_finish(posting));
+        let reaped = reap_until(inner, &mut core, polls, |c| c.try_finish(posting));
         probe::stamp(Point::Reaped);
         if reaped.is_ready() {
             return reaped;
         }
-        core.poll_finish(&mut guard.posting, cx)
+        core.poll_finish(posting, cx)
     })
     .await;
     probe::stamp(Point::Finished);
