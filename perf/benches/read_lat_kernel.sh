@@ -62,10 +62,8 @@ sched)
   ;;
 rxe)
   N=3000
-  T=/sys/kernel/tracing
-  mountpoint -q $T || mount -t tracefs nodev $T
-  echo 0 > $T/tracing_on
-  echo nop > $T/current_tracer
+  . perf/benches/ftrace.sh
+  ftrace_setup
   echo 60000 > $T/buffer_size_kb
   echo "rxe_*" > $T/set_ftrace_filter
   wc -l < $T/set_ftrace_filter

@@ -11,12 +11,10 @@ cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 mode=${1:-hops}
 rounds=${2:-3}
 RIXL=${RIXL:-target/cg/release/rixl-perf}
-T=/sys/kernel/tracing
-mountpoint -q $T || mount -t tracefs nodev $T
+. perf/benches/ftrace.sh
+ftrace_setup
 OUT=target/ftrace
 mkdir -p $OUT
-echo 0 > $T/tracing_on
-echo nop > $T/current_tracer
 if [ "$mode" = graph ]; then
   echo 'rxe_*' > $T/set_ftrace_filter
   echo try_to_wake_up >> $T/set_ftrace_filter

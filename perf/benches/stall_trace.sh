@@ -12,12 +12,10 @@ runs=${1:-24}
 tools=${2:-rixl}
 RIXL=${RIXL:-target/cg/release/rixl-perf}
 D=$RIXL_RDMA_DEVICE G=$RIXL_GID_INDEX
-T=/sys/kernel/tracing
-mountpoint -q $T || mount -t tracefs nodev $T
+. perf/benches/ftrace.sh
+ftrace_setup
 OUT=target/ftrace
 mkdir -p $OUT
-echo 0 > $T/tracing_on
-echo nop > $T/current_tracer
 printf '%s\n' rxe_post_send retransmit_timer rnr_nak_timer rxe_req_notify_cq > $T/set_ftrace_filter
 echo function > $T/current_tracer
 echo 32768 > $T/buffer_size_kb
