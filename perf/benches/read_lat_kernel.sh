@@ -1,10 +1,11 @@
 #!/bin/bash
 # The kernel's side of a 64 B read_lat READ, perftest against rixl-perf, in the rxe guest:
-#   scripts/rxe-guest run -- bash perf/benches/read_lat_kernel.sh stat|sched|rxe
+#   scripts/rxe-guest run -- bash perf/benches/read_lat_kernel.sh stat|sched|rxe|gran
 # stat:  perf stat -a of context switches, wake-ups, softirqs, timer and IPI interrupts and
 #        system calls per READ, then strace -c of each client;
 # sched: perf record -a of wake-ups, switches and softirqs, summarised by task and vector;
-# rxe:   ftrace's function tracer on rdma_rxe's functions, calls per READ and the task they ran in.
+# rxe:   ftrace's function tracer on rdma_rxe's functions, calls per READ and the task they ran in;
+# gran:  the scheduler's wake-up granularity at its default and at 200 ms, alternating rounds.
 # Per-READ figures divide by -n; rixl-perf runs a tenth more READs as warm-up (divide by 1.1).
 # Uses target/release/rixl-perf (RIXL=...).
 set -u
@@ -84,5 +85,29 @@ rxe)
     awk -v n=$N '{for (i=1;i<=NF;i++) if ($i ~ /^[0-9]+\.[0-9]+:$/) { f=$(i+1); break }; task=$1; sub(/-[0-9]+$/, "", task); c[f" "task]++} END {for (k in c) if (c[k]/n > 0.02) printf "  %-60s %8d %.3f/READ\n", k, c[k], c[k]/n}' /tmp/tr.txt | sort
   done
   ;;
-*) echo "usage: read_lat_kernel.sh stat|sched|rxe" >&2; exit 2 ;;
+gran)
+  # The scheduler's wake-up granularity (debugfs) at its default and at 200 ms, alternating:
+  # t_typical and context switches per READ (rixl-perf's divided by 1.1 for its warm-up).
+  N=3000
+  mountpoint -q /sys/kernel/debug || mount -t debugfs none /sys/kernel/debug
+  G=/sys/kernel/debug/sched/wakeup_granularity_ns
+  def=$(cat $G)
+  echo "default granularity $def ns"
+  for r in 1 2 3 4; do
+    for g in $def 200000000; do
+      echo $g > $G
+      for tool in perftest rixl; do
+        S=$(cmd $tool $N)
+        $S >/dev/null 2>&1 & sp=$!
+        sleep 0.7
+        out=$(perf stat -a -e context-switches -x, -o /tmp/cs $S 127.0.0.1 2>&1 | grep -E '^ *64 ')
+        wait $sp
+        cs=$(grep context-switches /tmp/cs | cut -d, -f1)
+        echo "round $r gran $g $tool t_typical $(echo $out | awk '{print $5}') switches/READ $(awk -v c=$cs -v n=$N -v t=$tool 'BEGIN{printf "%.3f", c/n/(t=="rixl"?1.1:1)}')"
+      done
+    done
+  done
+  echo $def > $G
+  ;;
+*) echo "usage: read_lat_kernel.sh stat|sched|rxe|gran" >&2; exit 2 ;;
 esac
