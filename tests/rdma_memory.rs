@@ -298,7 +298,21 @@ fn caller_owned_release_waits_for_an_inflight_transfer_and_a_dropped_handle_keep
         polls += 1;
         std::thread::sleep(Duration::from_millis(1));
     }
-    let st = block_on(t).expect("read");
+    let st = match block_on(t) {
+        Ok(st) => st,
+        Err(e) => {
+            // CI once saw this READ time out with none of its 32 requests completed; the
+            // engines' and the device's counters say whether the requests left, and what rxe
+            // did with them.
+            report(&format!(
+                "caller_owned: the READ failed after {polls} polls: {e:?}\n  user engines: {:?}\n  owner engines: {:?}\n  rdma counters: {}",
+                block_on(p.user.rail_counters()),
+                block_on(p.owner.rail_counters()),
+                rixl_testkit::rdma_hw_counters()
+            ));
+            panic!("read: {e:?}");
+        }
+    };
     assert_eq!(st.bytes, LEN as u64);
     let mut got = vec![0u8; LEN];
     check.read_at(0, &mut got).unwrap();

@@ -5,7 +5,9 @@
 #        system calls per READ, then strace -c of each client;
 # sched: perf record -a of wake-ups, switches and softirqs, summarised by task and vector;
 # rxe:   ftrace's function tracer on rdma_rxe's functions, calls per READ and the task they ran in;
-# gran:  the scheduler's wake-up granularity at its default and at 200 ms, alternating rounds.
+# gran:  the scheduler's wake-up granularity at its default and at 200 ms, alternating rounds;
+# raise: perf record -g of every TASKLET raise and every ksoftirqd wake-up, perftest pinned as
+#        rixl-perf pins itself (client vCPU 0, server vCPU 1), counted by kernel call chain.
 # Per-READ figures divide by -n; rixl-perf runs a tenth more READs as warm-up (divide by 1.1).
 # Uses target/release/rixl-perf (RIXL=...).
 set -u
@@ -109,5 +111,29 @@ gran)
   done
   echo $def > $G
   ;;
-*) echo "usage: read_lat_kernel.sh stat|sched|rxe|gran" >&2; exit 2 ;;
+raise)
+  N=3000
+  cd /tmp
+  for tool in perftest rixl perftest rixl; do
+    S=$(cmd $tool $N)
+    if [ $tool = perftest ]; then taskset -c 1 $S >/dev/null 2>&1 & sp=$!; else $S >/dev/null 2>&1 & sp=$!; fi
+    sleep 0.7
+    echo "== $tool"
+    pre=""; [ $tool = perftest ] && pre="taskset -c 0"
+    perf record -q -a -g -e irq:softirq_raise --filter 'vec == 6' -e sched:sched_wakeup --filter 'comm ~ "ksoftirqd*"' \
+      -o /tmp/pr.$tool $pre $S 127.0.0.1 2>&1 | grep -E '^ *64 '
+    wait $sp
+    # one line per event: event name, then its kernel frames (innermost first), below the event
+    perf script -i /tmp/pr.$tool -F event,ip,sym 2>/dev/null | awk '
+      /^ *[a-z_]+:[a-z_]+:/ { if (ev != "") print ev " |" st; ev=$1; st=""; next }
+      NF >= 2 { if (n[ev]++ < 0) {}; st = st " " $2 }
+      END { if (ev != "") print ev " |" st }' > /tmp/chains.txt
+    echo "-- events per READ"
+    awk '{print $1}' /tmp/chains.txt | sort | uniq -c | awk -v n=$N '{printf "  %8d %.3f %s\n", $1, $1/n, $2}'
+    echo "-- call chains (first 9 frames) per READ"
+    awk '{ out=$1 " |"; k=0; for (i=3; i<=NF && k<9; i++) { if ($i ~ /^(perf_trace|trace_event|__traceiter|perf_tp|perf_swevent)/) continue; out=out " " $i; k++ }; print out }' /tmp/chains.txt \
+      | sort | uniq -c | sort -rn | head -12 | awk -v n=$N '{c=$1; $1=""; printf "  %8d %.3f%s\n", c, c/n, $0}'
+  done
+  ;;
+*) echo "usage: read_lat_kernel.sh stat|sched|rxe|gran|raise" >&2; exit 2 ;;
 esac

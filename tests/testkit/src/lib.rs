@@ -111,6 +111,39 @@ pub fn rss_kib() -> u64 {
         .unwrap_or(0)
 }
 
+/// The non-zero hardware counters of every RDMA device's ports (rxe's retries, sequence
+/// errors, RNR NAKs, ...), one `device/port/name=value` per entry, for a failure's report.
+pub fn rdma_hw_counters() -> String {
+    let mut out = Vec::new();
+    let Ok(devices) = std::fs::read_dir("/sys/class/infiniband") else {
+        return "no /sys/class/infiniband".into();
+    };
+    for dev in devices.flatten() {
+        let Ok(ports) = std::fs::read_dir(dev.path().join("ports")) else {
+            continue;
+        };
+        for port in ports.flatten() {
+            let Ok(counters) = std::fs::read_dir(port.path().join("hw_counters")) else {
+                continue;
+            };
+            for c in counters.flatten() {
+                let v = std::fs::read_to_string(c.path()).unwrap_or_default();
+                let v = v.trim();
+                if !v.is_empty() && v != "0" && !v.contains(' ') {
+                    out.push(format!(
+                        "{}/{}/{}={v}",
+                        dev.file_name().to_string_lossy(),
+                        port.file_name().to_string_lossy(),
+                        c.file_name().to_string_lossy()
+                    ));
+                }
+            }
+        }
+    }
+    out.sort();
+    out.join(" ")
+}
+
 /// Prints a measurement line past libtest's output capture.
 pub fn report(line: &str) {
     let _ = writeln!(std::io::stderr(), "{line}");
