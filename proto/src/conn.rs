@@ -203,6 +203,7 @@ impl<Q> Connection<Q> {
     /// [`Self::posts_at_once`], recorded for a transfer that acts on it: one posted at once
     /// takes the turn, and in direct mode every transfer after the turn's first counts towards
     /// the next probe, posted at once or not.
+    #[inline(always)]
     pub fn decide_turn(&mut self, turn: u64) -> bool {
         let at_once = self.idle_queue() && (self.immediate_turn != turn || self.mode.bypass());
         if at_once {

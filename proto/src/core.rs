@@ -566,6 +566,7 @@ impl<Q: SendQueue> Core<Q> {
 
 /// Whether one local descriptor (in the list's first region, `region`) and one remote one are
 /// valid together and fit one request on a connection of `max_msg`-byte messages.
+#[inline(always)]
 pub(crate) fn fits_one_request(
     max_msg: u64,
     region: &RegionInfo,

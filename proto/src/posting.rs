@@ -121,6 +121,7 @@ impl Posting {
     }
 
     /// Records a lone request of `bytes`, signaled, posted with its own doorbell.
+    #[inline(always)]
     pub(crate) fn posted_lone(&mut self, bytes: u64) {
         self.next = 1;
         self.doorbells = 1;

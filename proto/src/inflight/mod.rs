@@ -134,6 +134,7 @@ impl<K> InflightTable<K> {
     }
 
     /// Opens a slot for a transfer on connection `conn`, in the posting state.
+    #[inline(always)]
     pub fn insert(&mut self, conn: u32, keepalive: K) -> SlotId {
         let generation = self.next_generation;
         self.next_generation = (self.next_generation + 1) & GEN_MASK;

@@ -534,6 +534,7 @@ impl Engine {
 
 impl Inner {
     /// Wakes the progress task (work was posted or a connection failed).
+    #[inline(always)]
     fn kick_progress(&self) {
         self.kick.set(true);
         self.quiet_polls.set(0);

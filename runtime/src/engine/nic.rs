@@ -220,6 +220,7 @@ pub(crate) struct VerbsCq<'a> {
 }
 
 impl CompletionSource for VerbsCq<'_> {
+    #[inline(always)]
     fn poll(&mut self, out: &mut [Completion]) -> usize {
         let n = out.len().min(self.wcs.len());
         let got = match self.cq.poll(&mut self.wcs[..n]) {

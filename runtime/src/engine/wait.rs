@@ -75,6 +75,7 @@ pub(super) fn reap_until<T>(
 }
 
 /// [`reap_until`] with its buffers.
+#[inline(always)]
 fn reap_into<T>(
     inner: &Inner,
     core: &mut Core<VerbsQueue>,
