@@ -116,17 +116,18 @@ raise)
   cd /tmp
   for tool in perftest rixl perftest rixl; do
     S=$(cmd $tool $N)
-    if [ $tool = perftest ]; then taskset -c 1 $S >/dev/null 2>&1 & sp=$!; else $S >/dev/null 2>&1 & sp=$!; fi
+    # perftest placed as rixl-perf places itself (rixl-perf pins its own engines)
+    srv=(); cli=(); [ $tool = perftest ] && srv=(taskset -c 1) cli=(taskset -c 0)
+    "${srv[@]}" $S >/dev/null 2>&1 & sp=$!
     sleep 0.7
     echo "== $tool"
-    pre=""; [ $tool = perftest ] && pre="taskset -c 0"
     perf record -q -a -g -e irq:softirq_raise --filter 'vec == 6' -e sched:sched_wakeup --filter 'comm ~ "ksoftirqd*"' \
-      -o /tmp/pr.$tool $pre $S 127.0.0.1 2>&1 | grep -E '^ *64 '
+      -o /tmp/pr.$tool "${cli[@]}" $S 127.0.0.1 2>&1 | grep -E '^ *64 '
     wait $sp
     # one line per event: event name, then its kernel frames (innermost first), below the event
     perf script -i /tmp/pr.$tool -F event,ip,sym 2>/dev/null | awk '
       /^ *[a-z_]+:[a-z_]+:/ { if (ev != "") print ev " |" st; ev=$1; st=""; next }
-      NF >= 2 { if (n[ev]++ < 0) {}; st = st " " $2 }
+      NF >= 2 { st = st " " $2 }
       END { if (ev != "") print ev " |" st }' > /tmp/chains.txt
     echo "-- events per READ"
     awk '{print $1}' /tmp/chains.txt | sort | uniq -c | awk -v n=$N '{printf "  %8d %.3f %s\n", $1, $1/n, $2}'
