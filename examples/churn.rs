@@ -23,8 +23,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use clap::Parser;
 use futures_lite::future::block_on;
 use rixl::agent::{Agent, AgentConfig, AgentError, CallOptions, RemoteRef, Visibility};
-use rixl::runtime::{LocalDescList, Op};
-use rixl_testkit::{block_intact, fill_block, wait_listening};
+use rixl::runtime::{LocalDescList, Op, TransferError};
+use rixl_testkit::{block_intact, fill_block, thread_dump, wait_listening};
 
 type BoxError = Box<dyn std::error::Error>;
 
@@ -85,6 +85,8 @@ fn member(args: &Args, name: &str, etcd: &str) -> Result<(), BoxError> {
     cfg.engine.connect.timeout = 12;
     cfg.engine.connect.retry_cnt = 3;
     cfg.connect_timeout = DEADLINE;
+    // A core that stops running for twice a deadline has stalled (the default waits 60 s).
+    cfg.engine.stall_timeout = DEADLINE * 2;
     let agent = Agent::new(name, cfg)?;
     let len = (BLOCK * BLOCKS) as usize;
     let src = block_on(agent.register(len, Visibility::All))?;
@@ -109,6 +111,7 @@ fn member(args: &Args, name: &str, etcd: &str) -> Result<(), BoxError> {
     }
     let mut rng = fastrand::Rng::with_seed(args.seed);
     let mut buf = vec![0u8; len];
+    let mut dumped = false;
     while !quit.load(std::sync::atomic::Ordering::SeqCst) {
         let peers: Vec<String> = agent.peers().into_iter().filter(|p| p != name).collect();
         if peers.is_empty() {
@@ -144,7 +147,23 @@ fn member(args: &Args, name: &str, etcd: &str) -> Result<(), BoxError> {
                     .all(|(k, b)| block_intact(b, first + k as u64).is_some());
                 if intact { "ok" } else { "corrupt" }.to_string()
             }
-            Err(e) => format!("err {}", kind(&e)),
+            Err(e) => {
+                if matches!(e.transfer_error(), Some(TransferError::EngineStalled(_))) {
+                    // A core that stopped running: how its threads stand, while it still has.
+                    let mut o = out.lock().expect("stdout");
+                    for t in thread_dump() {
+                        writeln!(o, "STALLED {name} {t}")?;
+                    }
+                    // And the user-space stacks, once, where the guest has gdb.
+                    if !dumped {
+                        dumped = true;
+                        for l in gdb_stacks() {
+                            writeln!(o, "STALLED {name} {l}")?;
+                        }
+                    }
+                }
+                format!("err {}", kind(&e))
+            }
         };
         writeln!(
             out.lock().expect("stdout"),
@@ -165,21 +184,56 @@ fn member(args: &Args, name: &str, etcd: &str) -> Result<(), BoxError> {
     };
     writeln!(
         out.lock().expect("stdout"),
-        "CENSUS {name} engines={} known={} inflight={inflight}",
+        "CENSUS {name} engines={} known={} inflight={inflight} unanswered={}",
         census.engines.iter().sum::<usize>(),
-        census.known
+        census.known,
+        census.unanswered.len()
     )?;
     agent.shutdown();
     Ok(())
 }
 
+/// Every thread's user-space stack (`gdb` attached to this process for a moment), or nothing
+/// without `gdb`.
+fn gdb_stacks() -> Vec<String> {
+    let pid = std::process::id().to_string();
+    Command::new("timeout")
+        .args([
+            "60",
+            "gdb",
+            "-p",
+            &pid,
+            "-batch",
+            "-ex",
+            "thread apply all bt 24",
+        ])
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .filter(|l| l.starts_with('#') || l.starts_with("Thread"))
+                .map(str::to_string)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 /// A short name for an error's kind.
 fn kind(e: &AgentError) -> String {
-    let s = format!("{e:?}");
-    s.split(|c: char| !c.is_alphanumeric())
-        .next()
-        .unwrap_or("?")
-        .to_string()
+    let first = |s: String| {
+        s.split(|c: char| !c.is_alphanumeric())
+            .next()
+            .unwrap_or("?")
+            .to_string()
+    };
+    match e {
+        AgentError::Incomplete { source, .. } => {
+            format!("Incomplete/{}", first(format!("{source:?}")))
+        }
+        _ => first(format!("{e:?}")),
+    }
 }
 
 /// What the orchestrator knows of one member name.
@@ -327,17 +381,22 @@ fn tally_line(line: &str, lives: &HashMap<String, Life>, t: &mut Tally) {
                 _ => {}
             }
         }
-        ["CENSUS", name, engines, known, inflight] => {
+        ["CENSUS", name, engines, known, inflight, unanswered] => {
             t.censuses += 1;
             let num = |s: &str, key: &str| -> usize {
                 s.trim_start_matches(key).parse().unwrap_or(usize::MAX)
             };
-            let (engines, known, inflight) = (
+            let (engines, known, inflight, unanswered) = (
                 num(engines, "engines="),
                 num(known, "known="),
                 num(inflight, "inflight="),
+                num(unanswered, "unanswered="),
             );
-            if engines != known || inflight != 0 {
+            if unanswered != 0 {
+                t.leaks.push(format!(
+                    "{name}: {unanswered} engines did not answer the census (their core stalled?)"
+                ));
+            } else if engines != known || inflight != 0 {
                 t.leaks.push(format!(
                     "{name}: engines hold {engines} connections, the agent knows {known}; {inflight} transfers in flight"
                 ));
@@ -461,6 +520,9 @@ fn orchestrate(args: &Args) -> Result<bool, BoxError> {
     for l in &t.leaks {
         println!("churn: LEAK: {l}");
     }
+    for l in backlog.iter().filter(|l| l.starts_with("STALLED ")) {
+        println!("churn: {l}");
+    }
     if let (Some(h), Some((_, slowest))) = (&t.ok_ms, &t.slowest_ok) {
         println!(
             "churn: verified transfers took median {} ms, p99 {} ms, p99.9 {} ms, max {} ms (the slowest: {slowest}); the run started at {start_ms}",
@@ -508,6 +570,8 @@ fn main() -> Result<(), BoxError> {
     let args = Args::parse();
     if let Some(name) = args.member.clone() {
         let etcd = args.etcd.clone().ok_or("--member needs --etcd")?;
+        // A member's warnings (set-ups that failed, cores that stalled) reach the report.
+        rixl_testkit::init_logs_or("rixl=warn,rixl_runtime=warn");
         return member(&args, &name, &etcd);
     }
     if orchestrate(&args)? {

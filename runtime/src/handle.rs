@@ -133,6 +133,8 @@ pub struct EngineHandle {
     hand_offs: Arc<local::HandOffs>,
     /// `EngineConfig::reply_spin`.
     reply_spin: Duration,
+    /// `EngineConfig::transfer_timeout`: the deadline of a transfer without one of its own.
+    transfer_timeout: Duration,
     /// The core's heartbeat, which bounds the wait of calls from other threads.
     liveness: Arc<bound::Liveness>,
 }
@@ -178,18 +180,23 @@ impl EngineHandle {
             })
             .detach();
         });
-        self.reply(self.start(run)?, rx).await
+        self.reply(self.start(run)?, None, rx).await
     }
 
     /// Awaits a job's reply; `sent`: the job was sent from another thread, which bounds its
-    /// wait by the core's heartbeat (see [`bound`]).
+    /// wait by the core's heartbeat and the call's own `deadline`, if it has one (see
+    /// [`bound`]).
     async fn reply<T>(
         &self,
         sent: bool,
+        deadline: Option<Duration>,
         rx: oneshot::Receiver<Result<T, Lost>>,
     ) -> Result<T, Lost> {
-        let core = sent.then_some(&self.liveness);
-        bound::bounded(rx, core).await?.map_err(|_| Lost::Gone)?
+        let bound = sent.then_some(bound::Bound {
+            core: &self.liveness,
+            deadline,
+        });
+        bound::bounded(rx, bound).await?.map_err(|_| Lost::Gone)?
     }
 
     /// As [`Self::on_core`], but the job is cancelled when the caller goes away first: once this
@@ -202,7 +209,15 @@ impl EngineHandle {
     /// completions the engine's progress loop or the transfer itself polls. With a busy-polled
     /// engine such a job needs nothing from the core's reactor, so the serving task may spin for
     /// the next call while it runs.
-    async fn on_core_or_cancel<T, F, Fut>(&self, rdma_only: bool, job: F) -> Result<T, Lost>
+    ///
+    /// `deadline`: the call's own deadline (a transfer's), which tightens the bound on a
+    /// stalled core once it has passed (see [`bound`]).
+    async fn on_core_or_cancel<T, F, Fut>(
+        &self,
+        rdma_only: bool,
+        deadline: Option<Duration>,
+        job: F,
+    ) -> Result<T, Lost>
     where
         T: Send + 'static,
         F: FnOnce(Served) -> Fut + Send + 'static,
@@ -235,7 +250,7 @@ impl EngineHandle {
             })
             .detach();
         });
-        self.reply(self.start(run)?, rx).await
+        self.reply(self.start(run)?, deadline, rx).await
     }
 
     /// The engine's id.
@@ -504,7 +519,8 @@ impl EngineHandle {
         remote: RemoteDescList,
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferFailure> {
-        self.on_rdma(local.len(), move |e| async move {
+        let deadline = opts.timeout.unwrap_or(self.transfer_timeout);
+        self.on_rdma(local.len(), deadline, move |e| async move {
             e.transfer_ranges(conn, op, &local, &remote, opts).await
         })
         .await
@@ -592,25 +608,27 @@ impl EngineHandle {
         opts: TransferOptions,
     ) -> Result<TransferStats, TransferFailure> {
         let prepared = Arc::clone(prepared);
-        self.on_rdma(prepared.descriptors(), move |e| async move {
+        let deadline = opts.timeout.unwrap_or(self.transfer_timeout);
+        self.on_rdma(prepared.descriptors(), deadline, move |e| async move {
             e.post_ranges(&prepared, opts).await
         })
         .await
     }
 
-    /// Runs an RDMA transfer or post of `descriptors` descriptors on the engine's core
-    /// (cancelled with the caller's future): a core without a NIC answers `NoNic` before
-    /// posting, and a lost job names what is known of its progress.
+    /// Runs an RDMA transfer or post of `descriptors` descriptors, due within `deadline`, on
+    /// the engine's core (cancelled with the caller's future): a core without a NIC answers
+    /// `NoNic` before posting, and a lost job names what is known of its progress.
     async fn on_rdma<F, Fut>(
         &self,
         descriptors: usize,
+        deadline: Duration,
         f: F,
     ) -> Result<TransferStats, TransferFailure>
     where
         F: FnOnce(Engine) -> Fut + Send + 'static,
         Fut: Future<Output = Result<TransferStats, TransferFailure>> + 'static,
     {
-        self.on_core_or_cancel(true, move |s| async move {
+        self.on_core_or_cancel(true, Some(deadline), move |s| async move {
             match s.engine {
                 Some(e) => f(e).await,
                 None => Err(TransferFailure::before_posting(
@@ -635,7 +653,7 @@ impl EngineHandle {
     ) -> Result<(), TransferError> {
         // Cancelled with the caller: a send whose caller gave up (a stalled core) is not
         // sent later.
-        self.on_core_or_cancel(false, move |s| async move {
+        self.on_core_or_cancel(false, None, move |s| async move {
             s.rdma(TransferError::NoNic)?.send(conn, &msg, imm).await
         })
         .await
@@ -654,7 +672,7 @@ impl EngineHandle {
         len: u64,
         imm: Option<u32>,
     ) -> Result<(), TransferError> {
-        self.on_core_or_cancel(false, move |s| async move {
+        self.on_core_or_cancel(false, None, move |s| async move {
             s.rdma(TransferError::NoNic)?
                 .send_from(conn, &region, offset, len, imm)
                 .await
@@ -726,6 +744,10 @@ impl EngineHandle {
         if self.tx.unbounded_send(Command::Shutdown(tx)).is_err() {
             return true;
         }
-        bound::bounded(rx, Some(&self.liveness)).await.is_ok()
+        let bound = bound::Bound {
+            core: &self.liveness,
+            deadline: None,
+        };
+        bound::bounded(rx, Some(bound)).await.is_ok()
     }
 }

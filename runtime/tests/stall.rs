@@ -18,9 +18,13 @@ use rixl_runtime::{
 const STALL: Duration = Duration::from_secs(1);
 
 fn pool() -> EnginePool {
+    pool_with(STALL)
+}
+
+fn pool_with(stall: Duration) -> EnginePool {
     let mut cfg = EngineConfig::from_env();
     cfg.require_nic = false;
-    cfg.stall_timeout = STALL;
+    cfg.stall_timeout = stall;
     let cpu = rixl_runtime::available_cpus().last().copied().unwrap_or(0);
     EnginePool::start(&cfg, &[cpu], 1 << 20).expect("engine starts without a NIC")
 }
@@ -54,13 +58,57 @@ fn block_core(h: &EngineHandle, secs: u64) -> Blocker {
 }
 
 fn null_transfer(h: &EngineHandle) -> Result<rixl_runtime::TransferStats, TransferError> {
+    null_transfer_with(h, TransferOptions::default())
+}
+
+fn null_transfer_with(
+    h: &EngineHandle,
+    opts: TransferOptions,
+) -> Result<rixl_runtime::TransferStats, TransferError> {
     block_on(h.transfer(
         ConnId(0),
         Op::Write,
         LocalDescList::new(),
         RemoteDescList(Vec::new()),
-        TransferOptions::default(),
+        opts,
     ))
+}
+
+#[test]
+fn stalled_core_transfer_from_another_thread_ends_soon_after_its_own_deadline() {
+    // A stall bound far longer than the transfer's deadline: the deadline, not the bound,
+    // ends the wait (a running core would have ended the transfer itself by then).
+    let pool = pool_with(Duration::from_secs(30));
+    let h = pool.handles()[0].clone();
+    let blocker = block_core(&h, 4);
+    let mut opts = TransferOptions::default();
+    opts.timeout = Some(Duration::from_millis(300));
+    let t0 = std::time::Instant::now();
+    let r = null_transfer_with(&h, opts);
+    let took = t0.elapsed();
+    assert!(
+        matches!(r, Err(TransferError::EngineStalled(d)) if d < Duration::from_secs(1)),
+        "{r:?}"
+    );
+    assert!(
+        took >= Duration::from_millis(300),
+        "ended before its deadline: {took:?}"
+    );
+    assert!(
+        took < Duration::from_secs(3),
+        "ended {took:?} after its start"
+    );
+    assert!(
+        !blocker.done.load(Ordering::Acquire),
+        "the core was blocked for 4 s"
+    );
+    // Only that call's deadline passed: a call without one still waits for the core, and
+    // gets its answer once the block ends.
+    assert!(block_on(h.counters()).is_ok());
+    assert!(blocker.done.load(Ordering::Acquire));
+    let own = blocker.thread.join().expect("blocker thread");
+    assert!(own.is_ok(), "{own:?}");
+    pool.shutdown();
 }
 
 #[test]

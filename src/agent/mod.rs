@@ -132,16 +132,20 @@ struct SideChannelLimits {
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct ConnectionCensus {
-    /// Connections each rail's engine holds (rail 0 first), closing ones included.
+    /// Connections each rail's engine holds (rail 0 first), closing ones included; 0 for an
+    /// engine that did not answer.
     pub engines: Vec<usize>,
+    /// Rails whose engine did not answer (gone, or its core stalled): what they hold is not
+    /// known.
+    pub unanswered: Vec<usize>,
     /// Connections the agent's peers use or accepted (all rails).
     pub known: usize,
 }
 
 impl ConnectionCensus {
-    /// Whether every connection an engine holds is one the agent knows.
+    /// Whether every engine answered and every connection they hold is one the agent knows.
     pub fn balanced(&self) -> bool {
-        self.engines.iter().sum::<usize>() == self.known
+        self.unanswered.is_empty() && self.engines.iter().sum::<usize>() == self.known
     }
 }
 
@@ -349,11 +353,20 @@ impl Agent {
     /// knows of: equal when nothing leaked.
     pub async fn connection_census(&self) -> ConnectionCensus {
         let mut engines = Vec::new();
-        for e in self.inner.rails.engines() {
-            engines.push(e.connections().await.unwrap_or(0));
+        let mut unanswered = Vec::new();
+        for (rail, e) in self.inner.rails.engines().iter().enumerate() {
+            match e.connections().await {
+                Ok(n) => engines.push(n),
+                Err(err) => {
+                    tracing::warn!(agent = %self.inner.name, rail, error = %err, "an engine did not answer the connection census");
+                    unanswered.push(rail);
+                    engines.push(0);
+                }
+            }
         }
         ConnectionCensus {
             engines,
+            unanswered,
             known: self.inner.conn_count(),
         }
     }

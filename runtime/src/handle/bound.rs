@@ -12,6 +12,11 @@
 //! dropped future: its slot is detached, and the in-flight table keeps its memory until the
 //! NIC is done).
 //!
+//! A call with a deadline of its own (a transfer) is bounded more tightly once that deadline
+//! has passed: a running core ends such a call itself, so from then on the core may go without
+//! a beat for only [`Liveness::grace`] (a few beats) before the call ends with
+//! `EngineStalled`. A transfer's deadline holds, within that grace, even on a stalled core.
+//!
 //! The bounds are kept by one watchdog thread per process that ticks every [`TICK`] while any is
 //! armed and sleeps otherwise. A call arms its bound only once it waits: not at a first poll
 //! that finds its reply, and not while the reply spin polls (see [`deferring`]). Arming takes
@@ -35,6 +40,9 @@ const TICK: Duration = Duration::from_millis(20);
 
 /// The shortest stall bound (a smaller `stall_timeout` is raised to it).
 const MIN_STALL: Duration = Duration::from_millis(100);
+
+/// The longest time between two beats (a timer wake-up of an idle core, five a second).
+const MAX_PERIOD: Duration = Duration::from_millis(200);
 
 /// A core's sign of life: its beats, and how long without one makes it stalled.
 #[derive(Debug)]
@@ -61,9 +69,15 @@ impl Liveness {
     }
 
     /// How often the core beats: an eighth of the stall bound (12.5 ms at the least), at most
-    /// every second.
+    /// every [`MAX_PERIOD`].
     pub(crate) fn period(&self) -> Duration {
-        (self.stall / 8).min(Duration::from_secs(1))
+        (self.stall / 8).min(MAX_PERIOD)
+    }
+
+    /// How long a core may go without a beat once a call's own deadline has passed: two beat
+    /// periods and a tick.
+    pub(crate) fn grace(&self) -> Duration {
+        self.period() * 2 + TICK
     }
 
     /// The core's heartbeat task (spawned on the core for as long as it serves).
@@ -76,8 +90,13 @@ impl Liveness {
 
     /// Watchdog ticks in the stall bound.
     fn stall_ticks(&self) -> u64 {
-        u64::try_from(self.stall.as_nanos().div_ceil(TICK.as_nanos())).unwrap_or(u64::MAX)
+        ticks(self.stall)
     }
+}
+
+/// Watchdog ticks in `d`, rounded up.
+fn ticks(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos().div_ceil(TICK.as_nanos())).unwrap_or(u64::MAX)
 }
 
 /// One armed bound, shared by the waiting call and the watchdog.
@@ -85,7 +104,20 @@ impl Liveness {
 struct Armed {
     core: Arc<Liveness>,
     fired: AtomicBool,
+    /// It fired with the grace bound, past the call's deadline (set before `fired`).
+    late: AtomicBool,
     waker: AtomicWaker,
+}
+
+impl Armed {
+    /// How long the core went without a beat when this bound fired.
+    fn silence(&self) -> Duration {
+        if self.late.load(Ordering::Relaxed) {
+            self.core.grace()
+        } else {
+            self.core.stall
+        }
+    }
 }
 
 /// A bound as the watchdog keeps it (only its thread reads or writes `seen` and `due`).
@@ -95,6 +127,24 @@ struct Watched {
     seen: u64,
     /// The watchdog tick at which to look again.
     due: u64,
+    /// The tick at which the call's own deadline has passed and, from then on, the next look
+    /// with the grace bound (`u64::MAX`: no deadline).
+    late: u64,
+    /// The core's beats at the last look with the grace bound (`None`: none yet).
+    late_seen: Option<u64>,
+}
+
+impl Watched {
+    /// A look at the call past its deadline: whether the core has gone a whole grace without a
+    /// beat (a running core would have ended the call by now).
+    fn stalled_past_deadline(&mut self, tick: u64, beats: u64) -> bool {
+        if self.late > tick {
+            return false;
+        }
+        let core = &self.armed.core;
+        self.late = tick.saturating_add(ticks(core.grace()));
+        self.late_seen.replace(beats) == Some(beats)
+    }
 }
 
 #[derive(Debug)]
@@ -161,10 +211,22 @@ fn watch(now: &AtomicU64, mut armed: mpsc::UnboundedReceiver<Watched>) {
             if Arc::strong_count(a) == 1 {
                 return false;
             }
-            if w.due > tick {
+            if w.due > tick && w.late > tick {
                 return true;
             }
             let beats = a.core.beats.load(Ordering::Relaxed);
+            if w.stalled_past_deadline(tick, beats) {
+                // Not marked stalled for other calls: only this call's deadline is past.
+                let a = &w.armed;
+                a.late.store(true, Ordering::Relaxed);
+                a.fired.store(true, Ordering::Release);
+                a.waker.wake();
+                return false;
+            }
+            if w.due > tick {
+                return true;
+            }
+            let a = &w.armed;
             if std::mem::replace(&mut w.seen, beats) != beats {
                 w.due = tick.saturating_add(a.core.stall_ticks());
                 return true;
@@ -200,30 +262,41 @@ pub(crate) fn deferring<T>(f: impl FnOnce() -> T) -> T {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Stalled(pub(crate) Duration);
 
-/// Awaits `fut`, the reply of a call to the core `core` beats for (`None`: without a bound);
-/// once it has had to wait (its first poll outside a reply spin found it pending), it ends
-/// with [`Stalled`] if the core stops beating for its stall bound.
+/// The bound of one call's wait: the core it waits on, and the call's own deadline.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Bound<'a> {
+    pub(crate) core: &'a Arc<Liveness>,
+    /// The call's deadline, from when it started (`None`: it has none of its own). The
+    /// bound counts it from its first wait, a reply spin after the start.
+    pub(crate) deadline: Option<Duration>,
+}
+
+/// Awaits `fut`, the reply of a call to the core `bound.core` beats for (`None`: without a
+/// bound); once it has had to wait (its first poll outside a reply spin found it pending), it
+/// ends with [`Stalled`] if the core stops beating for its stall bound, or, once the call's
+/// deadline has passed, for [`Liveness::grace`].
 pub(crate) async fn bounded<F: Future>(
     fut: F,
-    core: Option<&Arc<Liveness>>,
+    bound: Option<Bound<'_>>,
 ) -> Result<F::Output, Stalled> {
     let mut fut = std::pin::pin!(fut);
     let mut armed: Option<Arc<Armed>> = None;
-    poll_fn(move |cx| poll_bounded(fut.as_mut(), core, &mut armed, cx)).await
+    poll_fn(move |cx| poll_bounded(fut.as_mut(), bound, &mut armed, cx)).await
 }
 
 fn poll_bounded<F: Future>(
     fut: Pin<&mut F>,
-    core: Option<&Arc<Liveness>>,
+    bound: Option<Bound<'_>>,
     armed: &mut Option<Arc<Armed>>,
     cx: &mut Context<'_>,
 ) -> Poll<Result<F::Output, Stalled>> {
     if let Poll::Ready(v) = fut.poll(cx) {
         return Poll::Ready(Ok(v));
     }
-    let Some(core) = core else {
+    let Some(bound) = bound else {
         return Poll::Pending;
     };
+    let core = bound.core;
     if armed.is_none() {
         if DEFER.with(Cell::get) {
             return Poll::Pending;
@@ -231,33 +304,34 @@ fn poll_bounded<F: Future>(
         if core.known_stalled() {
             return Poll::Ready(Err(Stalled(core.stall)));
         }
-        *armed = arm(core);
+        *armed = arm(core, bound.deadline);
     }
     if let Some(a) = armed {
         a.waker.register(cx.waker());
         if a.fired.load(Ordering::Acquire) {
-            return Poll::Ready(Err(Stalled(core.stall)));
+            return Poll::Ready(Err(Stalled(a.silence())));
         }
     }
     Poll::Pending
 }
 
-/// Arms a bound on `core` from now (`None` if the watchdog is gone).
-fn arm(core: &Arc<Liveness>) -> Option<Arc<Armed>> {
+/// Arms a bound on `core` from now, for a call whose own deadline is `deadline` from now
+/// (`None` if the watchdog is gone).
+fn arm(core: &Arc<Liveness>, deadline: Option<Duration>) -> Option<Arc<Armed>> {
     let w = watchdog();
     let a = Arc::new(Armed {
         core: Arc::clone(core),
         fired: AtomicBool::new(false),
+        late: AtomicBool::new(false),
         waker: AtomicWaker::new(),
     });
+    let now = w.now.load(Ordering::Relaxed);
     let watched = Watched {
         armed: Arc::clone(&a),
         seen: core.beats.load(Ordering::Relaxed),
-        due: w
-            .now
-            .load(Ordering::Relaxed)
-            .saturating_add(core.stall_ticks())
-            .saturating_add(1),
+        due: now.saturating_add(core.stall_ticks()).saturating_add(1),
+        late: deadline.map_or(u64::MAX, |d| now.saturating_add(ticks(d)).saturating_add(1)),
+        late_seen: None,
     };
     w.arm.unbounded_send(watched).ok()?;
     Some(a)
@@ -268,30 +342,83 @@ mod tests {
     use super::*;
     use futures_lite::future::{block_on, pending, ready};
 
+    /// A bound on `core` for a call without a deadline of its own.
+    fn waiting_on(core: &Arc<Liveness>) -> Option<Bound<'_>> {
+        Some(Bound {
+            core,
+            deadline: None,
+        })
+    }
+
+    #[test]
+    fn past_its_deadline_a_call_to_a_silent_core_ends_after_the_grace_not_the_stall_bound() {
+        let core = Liveness::new(Duration::from_secs(30));
+        let bound = Bound {
+            core: &core,
+            deadline: Some(Duration::from_millis(100)),
+        };
+        let t0 = std::time::Instant::now();
+        let r = block_on(bounded(pending::<()>(), Some(bound)));
+        let took = t0.elapsed();
+        assert_eq!(r, Err(Stalled(core.grace())));
+        // The deadline, then at most two looks a grace apart (and the watchdog's ticks).
+        assert!(took >= Duration::from_millis(100), "{took:?}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
+        // Only this call's deadline passed: other calls to the core still wait.
+        assert!(!core.known_stalled());
+    }
+
+    #[test]
+    fn past_its_deadline_a_call_to_a_beating_core_waits_until_the_beats_stop() {
+        let core = Liveness::new(Duration::from_secs(30));
+        let beating = Arc::clone(&core);
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        // Beats for 1.2 s, over twice the grace, long past the call's 50 ms deadline.
+        let beater = std::thread::spawn(move || {
+            for _ in 0..120 {
+                std::thread::sleep(Duration::from_millis(10));
+                beating.beats.fetch_add(1, Ordering::Relaxed);
+            }
+            stopped.store(true, Ordering::Release);
+        });
+        let bound = Bound {
+            core: &core,
+            deadline: Some(Duration::from_millis(50)),
+        };
+        let r = block_on(bounded(pending::<()>(), Some(bound)));
+        assert_eq!(r, Err(Stalled(core.grace())));
+        assert!(
+            stop.load(Ordering::Acquire),
+            "the grace bound fired only once the beats had stopped"
+        );
+        beater.join().unwrap();
+    }
+
     #[test]
     fn a_reply_that_never_comes_from_a_core_that_never_beats_ends_stalled() {
         let core = Liveness::new(MIN_STALL);
-        let r = block_on(bounded(pending::<()>(), Some(&core)));
+        let r = block_on(bounded(pending::<()>(), waiting_on(&core)));
         assert_eq!(r, Err(Stalled(MIN_STALL)));
     }
 
     #[test]
     fn once_found_stalled_a_core_fails_calls_at_once_until_it_beats_again() {
         let core = Liveness::new(MIN_STALL);
-        let r = block_on(bounded(pending::<()>(), Some(&core)));
+        let r = block_on(bounded(pending::<()>(), waiting_on(&core)));
         assert_eq!(r, Err(Stalled(MIN_STALL)));
         // The next call to the same silent core ends at its first wait, with nothing armed.
         let mut fut = std::pin::pin!(pending::<()>());
         let mut armed = None;
         let mut cx = Context::from_waker(std::task::Waker::noop());
         assert_eq!(
-            poll_bounded(fut.as_mut(), Some(&core), &mut armed, &mut cx),
+            poll_bounded(fut.as_mut(), waiting_on(&core), &mut armed, &mut cx),
             Poll::Ready(Err(Stalled(MIN_STALL)))
         );
         assert!(armed.is_none());
         // A beat: the core runs again, and calls wait (and arm) as before.
         core.beats.fetch_add(1, Ordering::Relaxed);
-        assert!(poll_bounded(fut.as_mut(), Some(&core), &mut armed, &mut cx).is_pending());
+        assert!(poll_bounded(fut.as_mut(), waiting_on(&core), &mut armed, &mut cx).is_pending());
         assert!(armed.is_some());
     }
 
@@ -309,7 +436,7 @@ mod tests {
             }
             stopped.store(true, Ordering::Release);
         });
-        let r = block_on(bounded(pending::<()>(), Some(&core)));
+        let r = block_on(bounded(pending::<()>(), waiting_on(&core)));
         assert_eq!(r, Err(Stalled(MIN_STALL)));
         assert!(
             stop.load(Ordering::Acquire),
@@ -321,7 +448,7 @@ mod tests {
     #[test]
     fn a_ready_reply_arms_nothing_and_no_bound_waits_on() {
         let core = Liveness::new(MIN_STALL);
-        assert_eq!(block_on(bounded(ready(7), Some(&core))), Ok(7));
+        assert_eq!(block_on(bounded(ready(7), waiting_on(&core))), Ok(7));
         // Without a bound a pending future stays pending, with nothing armed.
         let mut fut = std::pin::pin!(pending::<()>());
         let mut armed = None;
@@ -338,11 +465,13 @@ mod tests {
         let mut cx = Context::from_waker(std::task::Waker::noop());
         deferring(|| {
             for _ in 0..3 {
-                assert!(poll_bounded(fut.as_mut(), Some(&core), &mut armed, &mut cx).is_pending());
+                assert!(
+                    poll_bounded(fut.as_mut(), waiting_on(&core), &mut armed, &mut cx).is_pending()
+                );
             }
         });
         assert!(armed.is_none(), "a spinning call arms no bound");
-        assert!(poll_bounded(fut.as_mut(), Some(&core), &mut armed, &mut cx).is_pending());
+        assert!(poll_bounded(fut.as_mut(), waiting_on(&core), &mut armed, &mut cx).is_pending());
         assert!(armed.is_some(), "a waiting call arms its bound");
         // Nested spins restore the outer state.
         deferring(|| deferring(|| ()));
@@ -351,9 +480,10 @@ mod tests {
 
     #[test]
     fn the_heartbeat_period_is_an_eighth_of_the_bound_within_limits() {
+        assert_eq!(Liveness::new(Duration::from_secs(60)).period(), MAX_PERIOD);
         assert_eq!(
-            Liveness::new(Duration::from_secs(60)).period(),
-            Duration::from_secs(1)
+            Liveness::new(Duration::from_secs(60)).grace(),
+            MAX_PERIOD * 2 + TICK
         );
         assert_eq!(
             Liveness::new(Duration::from_secs(1)).period(),

@@ -187,7 +187,7 @@ impl EngineHandle {
         F: FnOnce() -> Fut + Send + 'static,
         Fut: Future<Output = T> + 'static,
     {
-        self.on_core_or_cancel(false, move |_| f())
+        self.on_core_or_cancel(false, None, move |_| f())
             .await
             .map_err(RuntimeError::from)
     }

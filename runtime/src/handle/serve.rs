@@ -61,6 +61,7 @@ pub(crate) fn serve_core(
         device: engine.as_ref().map(|e| Arc::from(e.device_name().as_str())),
         hand_offs: Arc::default(),
         reply_spin: cfg.reply_spin,
+        transfer_timeout: cfg.transfer_timeout,
         liveness: super::bound::Liveness::new(cfg.stall_timeout),
     };
     let served = Served {

@@ -39,11 +39,19 @@ pub fn require_or_skip<T, E: Display>(
 /// `RUST_LOG=rixl=debug scripts/rdma-suite --nocapture heal_`); once per process.
 pub fn init_logs() {
     if std::env::var_os("RUST_LOG").is_some() {
-        let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
-            .with_writer(std::io::stderr)
-            .try_init();
+        init_logs_or("off");
     }
+}
+
+/// Sends the library's `tracing` events to stderr, filtered by `RUST_LOG` or, without it, by
+/// `default` (for example `rixl=warn`); once per process.
+pub fn init_logs_or(default: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
 }
 
 /// Prints injected panics (fail points, whose message starts with `failpoint`) as one line,
@@ -142,6 +150,39 @@ pub fn rdma_hw_counters() -> String {
     }
     out.sort();
     out.join(" ")
+}
+
+/// Every thread of this process as `/proc` shows it, one line each: its id, name, state,
+/// the kernel function it waits in, and (where readable: root) its kernel stack, for the
+/// report of a core that stopped running.
+pub fn thread_dump() -> Vec<String> {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return vec!["no /proc/self/task".into()];
+    };
+    let mut out = Vec::new();
+    for t in tasks.flatten() {
+        let read = |f: &str| std::fs::read_to_string(t.path().join(f)).unwrap_or_default();
+        let stat = read("stat");
+        // The state is the first field after the parenthesised name.
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .unwrap_or("?")
+            .to_string();
+        let stack: Vec<String> = read("stack")
+            .lines()
+            .filter_map(|l| l.split_whitespace().nth(1).map(str::to_string))
+            .collect();
+        out.push(format!(
+            "tid {} {:?} state {state} wchan {} stack [{}]",
+            t.file_name().to_string_lossy(),
+            read("comm").trim(),
+            read("wchan").trim(),
+            stack.join(" < ")
+        ));
+    }
+    out.sort();
+    out
 }
 
 /// Prints a measurement line past libtest's output capture.
