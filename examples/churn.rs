@@ -184,10 +184,11 @@ fn member(args: &Args, name: &str, etcd: &str) -> Result<(), BoxError> {
     };
     writeln!(
         out.lock().expect("stdout"),
-        "CENSUS {name} engines={} known={} inflight={inflight} unanswered={}",
+        "CENSUS {name} engines={} known={} inflight={inflight} unanswered={} nudged={}",
         census.engines.iter().sum::<usize>(),
         census.known,
-        census.unanswered.len()
+        census.unanswered.len(),
+        agent.core_nudges().iter().sum::<u64>()
     )?;
     agent.shutdown();
     Ok(())
@@ -253,6 +254,8 @@ struct Tally {
     late: Vec<String>,
     leaks: Vec<String>,
     censuses: u64,
+    /// Nudges the members' watchdogs sent their silent cores.
+    nudges: u64,
     kinds: HashMap<String, u64>,
     /// How long the verified transfers took, in ms (a connection set-up included).
     ok_ms: Option<hdrhistogram::Histogram<u64>>,
@@ -381,7 +384,11 @@ fn tally_line(line: &str, lives: &HashMap<String, Life>, t: &mut Tally) {
                 _ => {}
             }
         }
-        ["CENSUS", name, engines, known, inflight, unanswered] => {
+        ["CENSUS", name, engines, known, inflight, unanswered, nudged] => {
+            t.nudges += nudged
+                .trim_start_matches("nudged=")
+                .parse::<u64>()
+                .unwrap_or(0);
             t.censuses += 1;
             let num = |s: &str, key: &str| -> usize {
                 s.trim_start_matches(key).parse().unwrap_or(usize::MAX)
@@ -544,7 +551,7 @@ fn orchestrate(args: &Args) -> Result<bool, BoxError> {
         }
     }
     println!(
-        "churn summary: {} s, {} members, departures {} ({clean} clean, {killed} SIGKILL); transfers: {} verified ok, {} corrupted, {} failed to live peers, {} typed errors to departed peers, {} late; errors by kind {kinds:?}; leak checks: {} of {} clean shutdowns clean, {ok_exits} of {} final exits clean",
+        "churn summary: {} s, {} members, departures {} ({clean} clean, {killed} SIGKILL); transfers: {} verified ok, {} corrupted, {} failed to live peers, {} typed errors to departed peers, {} late; errors by kind {kinds:?}; leak checks: {} of {} clean shutdowns clean, {ok_exits} of {} final exits clean; {} nudges of silent cores",
         args.secs,
         args.members,
         clean + killed,
@@ -556,6 +563,7 @@ fn orchestrate(args: &Args) -> Result<bool, BoxError> {
         t.censuses as usize - t.leaks.len(),
         t.censuses,
         args.members,
+        t.nudges,
     );
     Ok(t.corrupt == 0
         && t.failed_live.is_empty()

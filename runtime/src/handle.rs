@@ -151,6 +151,7 @@ impl std::fmt::Debug for Command {
 mod bound;
 mod gpu;
 mod local;
+mod nudge;
 mod serve;
 
 pub(crate) use serve::serve_core;
@@ -251,6 +252,13 @@ impl EngineHandle {
             .detach();
         });
         self.reply(self.start(run)?, deadline, rx).await
+    }
+
+    /// How often the watchdog has nudged this core: woken it from another thread after it
+    /// went without a heartbeat for two beat periods (a parked executor with work to run; see
+    /// the `nudge` module's notes on glommio 0.9.0). Zero on a healthy core.
+    pub fn nudges(&self) -> u64 {
+        self.liveness.nudges()
     }
 
     /// The engine's id.

@@ -343,6 +343,17 @@ impl Agent {
         v
     }
 
+    /// How often the watchdog nudged each rail's engine core (rail 0 first): woke it after it
+    /// went without a heartbeat (see [`crate::runtime::EngineHandle::nudges`]).
+    pub fn core_nudges(&self) -> Vec<u64> {
+        self.inner
+            .rails
+            .engines()
+            .iter()
+            .map(|e| e.nudges())
+            .collect()
+    }
+
     /// The connection lifecycle's counters: set-ups (shared by concurrent callers), failed
     /// set-ups, connections retired after a failure, callers refused during a backoff.
     pub fn link_counters(&self) -> LinkCounters {

@@ -31,9 +31,13 @@ use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use std::sync::mpsc;
+use std::time::Instant;
+
 use atomic_waker::AtomicWaker;
-use futures_channel::mpsc;
 use futures_lite::future::poll_fn;
+
+use super::nudge;
 
 /// The watchdog's resolution.
 const TICK: Duration = Duration::from_millis(20);
@@ -48,6 +52,10 @@ const MAX_PERIOD: Duration = Duration::from_millis(200);
 #[derive(Debug)]
 pub(crate) struct Liveness {
     beats: AtomicU64,
+    /// The heartbeat task's waker, for the watchdog's nudges (see [`super::nudge`]).
+    nudge: AtomicWaker,
+    /// Nudges sent.
+    nudges: AtomicU64,
     /// `beats + 1` as they stood when a bound found the core stalled (0: never): until the
     /// core beats again, further calls to it end at once instead of waiting out a bound each.
     stalled_at: AtomicU64,
@@ -58,6 +66,8 @@ impl Liveness {
     pub(crate) fn new(stall: Duration) -> Arc<Liveness> {
         Arc::new(Liveness {
             beats: AtomicU64::new(0),
+            nudge: AtomicWaker::new(),
+            nudges: AtomicU64::new(0),
             stalled_at: AtomicU64::new(0),
             stall: stall.max(MIN_STALL),
         })
@@ -80,12 +90,45 @@ impl Liveness {
         self.period() * 2 + TICK
     }
 
-    /// The core's heartbeat task (spawned on the core for as long as it serves).
+    /// The core's heartbeat task (spawned on the core for as long as it serves). Each poll
+    /// leaves its waker for the watchdog's nudges.
     pub(crate) async fn beat(self: Arc<Self>) {
         loop {
-            glommio::timer::sleep(self.period()).await;
-            self.beats.fetch_add(1, Ordering::Relaxed);
+            let mut sleep = std::pin::pin!(glommio::timer::sleep(self.period()));
+            poll_fn(|cx| {
+                self.nudge.register(cx.waker());
+                sleep.as_mut().poll(cx)
+            })
+            .await;
+            self.beat_once();
         }
+    }
+
+    /// One beat.
+    pub(super) fn beat_once(&self) {
+        self.beats.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The beats so far.
+    pub(super) fn beats(&self) -> u64 {
+        self.beats.load(Ordering::Relaxed)
+    }
+
+    /// Leaves `waker` to be woken by the next nudge.
+    #[cfg(test)]
+    pub(super) fn register_nudge(&self, waker: &std::task::Waker) {
+        self.nudge.register(waker);
+    }
+
+    /// Wakes the heartbeat task from this (another) thread: that wakes a parked executor.
+    pub(super) fn nudge(&self) {
+        self.nudges.fetch_add(1, Ordering::Relaxed);
+        self.nudge.wake();
+    }
+
+    /// Nudges sent to this core.
+    pub(crate) fn nudges(&self) -> u64 {
+        self.nudges.load(Ordering::Relaxed)
     }
 
     /// Watchdog ticks in the stall bound.
@@ -147,18 +190,26 @@ impl Watched {
     }
 }
 
+/// What the watchdog is sent.
+enum Watch {
+    /// A call's bound.
+    Arm(Watched),
+    /// A core to nudge when it stops beating.
+    Core(Arc<Liveness>),
+}
+
 #[derive(Debug)]
 struct Watchdog {
     /// Ticks since the watchdog started (it stands still while nothing is armed).
     now: Arc<AtomicU64>,
-    arm: mpsc::UnboundedSender<Watched>,
+    arm: mpsc::Sender<Watch>,
 }
 
 fn watchdog() -> &'static Watchdog {
     static WATCHDOG: OnceLock<Watchdog> = OnceLock::new();
     WATCHDOG.get_or_init(|| {
         let now = Arc::new(AtomicU64::new(0));
-        let (arm, armed) = mpsc::unbounded();
+        let (arm, armed) = mpsc::channel();
         let ticks = Arc::clone(&now);
         // If the thread cannot start, bounds never fire: calls wait as they would without one.
         if let Err(e) = std::thread::Builder::new()
@@ -187,25 +238,52 @@ fn off_the_engine_cores() {
     }
 }
 
+/// Starts nudging `core` when it stops beating (see [`nudge`]).
+pub(crate) fn watch_core(core: &Arc<Liveness>) {
+    let _ = watchdog().arm.send(Watch::Core(Arc::clone(core)));
+}
+
 /// The watchdog's loop: each tick, takes the newly armed bounds, drops those whose call has
 /// ended, and looks at those due: a core that beat since the last look gets another stall
 /// bound; one that did not has stalled, and its call is woken to end. With nothing armed, it
-/// sleeps until something is.
-fn watch(now: &AtomicU64, mut armed: mpsc::UnboundedReceiver<Watched>) {
+/// only looks at the cores' beats every [`nudge::CHECK`] (or sleeps until something is sent,
+/// with no core to look at).
+fn watch(now: &AtomicU64, armed: mpsc::Receiver<Watch>) {
     let mut live: Vec<Watched> = Vec::new();
+    let mut cores = nudge::Cores::default();
+    let take = |m: Watch, live: &mut Vec<Watched>, cores: &mut nudge::Cores| match m {
+        Watch::Arm(w) => live.push(w),
+        Watch::Core(c) => cores.add(&c),
+    };
     loop {
         if live.is_empty() {
             // The clock stands still meanwhile; a bound armed now counts from where it stands.
-            match futures_lite::future::block_on(futures_lite::StreamExt::next(&mut armed)) {
-                Some(a) => live.push(a),
+            let m = if cores.is_empty() {
+                armed.recv().ok()
+            } else {
+                match armed.recv_timeout(nudge::CHECK) {
+                    Ok(m) => Some(m),
+                    Err(mpsc::RecvTimeoutError::Timeout) => {
+                        cores.look(Instant::now());
+                        continue;
+                    }
+                    Err(mpsc::RecvTimeoutError::Disconnected) => None,
+                }
+            };
+            match m {
+                Some(m) => take(m, &mut live, &mut cores),
                 None => return,
+            }
+            if live.is_empty() {
+                continue;
             }
         }
         std::thread::sleep(TICK);
         let tick = now.fetch_add(1, Ordering::Relaxed) + 1;
-        while let Ok(a) = armed.try_recv() {
-            live.push(a);
+        while let Ok(m) = armed.try_recv() {
+            take(m, &mut live, &mut cores);
         }
+        cores.look(Instant::now());
         live.retain_mut(|w| {
             let a = &w.armed;
             if Arc::strong_count(a) == 1 {
@@ -333,7 +411,7 @@ fn arm(core: &Arc<Liveness>, deadline: Option<Duration>) -> Option<Arc<Armed>> {
         late: deadline.map_or(u64::MAX, |d| now.saturating_add(ticks(d)).saturating_add(1)),
         late_seen: None,
     };
-    w.arm.unbounded_send(watched).ok()?;
+    w.arm.send(Watch::Arm(watched)).ok()?;
     Some(a)
 }
 

@@ -83,6 +83,7 @@ pub(crate) fn serve_core(
     }
     let hand_offs = Arc::clone(&handle.hand_offs);
     let liveness = Arc::clone(&handle.liveness);
+    super::bound::watch_core(&liveness);
     let serving = async move {
         // The core beats for as long as it serves (dropping the task cancels it).
         let _heartbeat = glommio::spawn_local(liveness.beat());
