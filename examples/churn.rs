@@ -148,18 +148,13 @@ fn member(args: &Args, name: &str, etcd: &str) -> Result<(), BoxError> {
                 if intact { "ok" } else { "corrupt" }.to_string()
             }
             Err(e) => {
-                if matches!(e.transfer_error(), Some(TransferError::EngineStalled(_))) {
-                    // A core that stopped running: how its threads stand, while it still has.
+                if !dumped && matches!(e.transfer_error(), Some(TransferError::EngineStalled(_))) {
+                    // A core that stopped running: how its threads stand (kernel side, and
+                    // user space where the guest has gdb), once, while it still has.
+                    dumped = true;
                     let mut o = out.lock().expect("stdout");
-                    for t in thread_dump() {
-                        writeln!(o, "STALLED {name} {t}")?;
-                    }
-                    // And the user-space stacks, once, where the guest has gdb.
-                    if !dumped {
-                        dumped = true;
-                        for l in gdb_stacks() {
-                            writeln!(o, "STALLED {name} {l}")?;
-                        }
+                    for l in thread_dump().into_iter().chain(gdb_stacks()) {
+                        writeln!(o, "STALLED {name} {l}")?;
                     }
                 }
                 format!("err {}", kind(&e))

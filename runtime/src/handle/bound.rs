@@ -420,6 +420,22 @@ mod tests {
     use super::*;
     use futures_lite::future::{block_on, pending, ready};
 
+    /// Beats `core` `n` times, every 10 ms, from a thread of its own (as the core's task
+    /// would); the flag is set once the beats have stopped.
+    fn beat_for(core: &Arc<Liveness>, n: u32) -> (std::thread::JoinHandle<()>, Arc<AtomicBool>) {
+        let beating = Arc::clone(core);
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = Arc::clone(&stop);
+        let beater = std::thread::spawn(move || {
+            for _ in 0..n {
+                std::thread::sleep(Duration::from_millis(10));
+                beating.beat_once();
+            }
+            stopped.store(true, Ordering::Release);
+        });
+        (beater, stop)
+    }
+
     /// A bound on `core` for a call without a deadline of its own.
     fn waiting_on(core: &Arc<Liveness>) -> Option<Bound<'_>> {
         Some(Bound {
@@ -449,17 +465,8 @@ mod tests {
     #[test]
     fn past_its_deadline_a_call_to_a_beating_core_waits_until_the_beats_stop() {
         let core = Liveness::new(Duration::from_secs(30));
-        let beating = Arc::clone(&core);
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopped = Arc::clone(&stop);
         // Beats for 1.2 s, over twice the grace, long past the call's 50 ms deadline.
-        let beater = std::thread::spawn(move || {
-            for _ in 0..120 {
-                std::thread::sleep(Duration::from_millis(10));
-                beating.beats.fetch_add(1, Ordering::Relaxed);
-            }
-            stopped.store(true, Ordering::Release);
-        });
+        let (beater, stop) = beat_for(&core, 120);
         let bound = Bound {
             core: &core,
             deadline: Some(Duration::from_millis(50)),
@@ -503,17 +510,8 @@ mod tests {
     #[test]
     fn a_core_that_beats_keeps_a_long_call_waiting() {
         let core = Liveness::new(MIN_STALL);
-        let beating = Arc::clone(&core);
-        let stop = Arc::new(AtomicBool::new(false));
-        let stopped = Arc::clone(&stop);
-        // Beats (from this thread, as the core's task would) for 400 ms, over six stall bounds.
-        let beater = std::thread::spawn(move || {
-            for _ in 0..40 {
-                std::thread::sleep(Duration::from_millis(10));
-                beating.beats.fetch_add(1, Ordering::Relaxed);
-            }
-            stopped.store(true, Ordering::Release);
-        });
+        // Beats for 400 ms, over six stall bounds.
+        let (beater, stop) = beat_for(&core, 40);
         let r = block_on(bounded(pending::<()>(), waiting_on(&core)));
         assert_eq!(r, Err(Stalled(MIN_STALL)));
         assert!(
