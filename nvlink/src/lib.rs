@@ -11,6 +11,7 @@ mod kernel;
 pub mod plan;
 
 use nvml_wrapper::enum_wrappers::device::{P2pCapabilitiesIndex, P2pStatus};
+use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Nvml;
 use rixl_topology::{GpuLink, Machine, PciGpuLink};
 
@@ -20,14 +21,15 @@ use rixl_topology::{GpuLink, Machine, PciGpuLink};
 pub enum Error {
     /// NVML (libnvidia-ml) cannot be loaded or initialised.
     #[error("NVML is not available: {0}")]
-    NoNvml(String),
+    NoNvml(#[source] NvmlError),
     /// An NVML query failed.
-    #[error("NVML {call} failed: {reason}")]
+    #[error("NVML {call} failed: {source}")]
     Query {
         /// The query.
         call: &'static str,
-        /// NVML's error text.
-        reason: String,
+        /// NVML's error.
+        #[source]
+        source: NvmlError,
     },
 }
 
@@ -103,11 +105,8 @@ pub fn discover_machine() -> Machine {
     rixl_topology::discover(&links)
 }
 
-fn query(call: &'static str) -> impl Fn(nvml_wrapper::error::NvmlError) -> Error {
-    move |e| Error::Query {
-        call,
-        reason: e.to_string(),
-    }
+fn query(call: &'static str) -> impl Fn(NvmlError) -> Error {
+    move |source| Error::Query { call, source }
 }
 
 /// Initialises NVML and reads GPUs and their pairwise P2P/NVLink status.
@@ -115,7 +114,7 @@ fn query(call: &'static str) -> impl Fn(nvml_wrapper::error::NvmlError) -> Error
 /// # Errors
 /// [`Error::NoNvml`] without NVML, [`Error::Query`] if a query fails.
 pub fn probe() -> Result<NvmlInfo, Error> {
-    let nvml = Nvml::init().map_err(|e| Error::NoNvml(e.to_string()))?;
+    let nvml = Nvml::init().map_err(Error::NoNvml)?;
     let n = nvml.device_count().map_err(query("device_count"))?;
     let mut gpus = Vec::new();
     let mut devs = Vec::new();

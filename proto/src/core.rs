@@ -12,7 +12,7 @@ use slab::Slab;
 use crate::conn::{unknown, ConnParams, ConnState, Connection};
 use crate::deadline::{Deadlines, Due};
 use crate::desc::{LocalDesc, Op, RegionInfo, RemoteDesc};
-use crate::error::TransferError;
+use crate::error::{PostError, TransferError};
 use crate::inflight::{decode_wr_id, InflightTable, Routed, SlotId};
 use crate::plan::{self, Limits, Plan};
 use crate::queue::{CompletionSource, SendQueue};
@@ -588,7 +588,7 @@ pub(crate) fn fits_one_request(
 /// A WRITE_WITH_IMM notification needs a WRITE.
 fn check_notify(op: Op, notify_imm: bool) -> Result<(), TransferError> {
     if notify_imm && op == Op::Read {
-        return Err(TransferError::Post("notify_imm needs a WRITE".into()));
+        return Err(TransferError::Post(PostError::NotifyOnRead));
     }
     Ok(())
 }

@@ -2,8 +2,11 @@
 //! failures. Plain data (`Clone`, `PartialEq`): a connection's failure is handed to every
 //! transfer it ends.
 
+use std::error::Error as StdError;
+use std::fmt;
 use std::io;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::wire::WcStatus;
@@ -123,9 +126,10 @@ pub enum TransferError {
     /// The connection is unknown or already failed.
     #[error("connection {0} is not usable: {1}")]
     Connection(u32, String),
-    /// A verb failed while posting.
+    /// The transfer could not be posted: the queue refused it, or it asked for what its
+    /// operation cannot do.
     #[error("posting failed: {0}")]
-    Post(String),
+    Post(#[source] PostError),
     /// The engine that owns the connection has shut down.
     #[error("the engine has shut down")]
     EngineGone,
@@ -152,6 +156,94 @@ pub enum TransferError {
     #[error("device fault: {0}")]
     Device(DeviceFault),
 }
+
+/// Why a transfer could not be posted.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum PostError {
+    /// The send queue refused the work requests (the verb's error, kept as the source).
+    #[error("the send queue refused the work request: {0}")]
+    Refused(#[source] SharedError),
+    /// A READ cannot carry a notification: `notify_imm` needs a WRITE.
+    #[error("notify_imm needs a WRITE")]
+    NotifyOnRead,
+    /// A memory-window bind completed without yielding a window.
+    #[error("a bind posted no window")]
+    NoWindow,
+    /// The message could not be staged in the engine's send buffer.
+    #[error("the message could not be staged in the send buffer: {0}")]
+    Staging(#[source] SharedError),
+    /// A device-to-device copy could not be planned.
+    #[error("the device copy could not be planned: {0}")]
+    CopyPlan(#[source] SharedError),
+}
+
+impl PostError {
+    /// A refusal by the send queue, keeping `e` as the source.
+    pub fn refused(e: impl StdError + Send + Sync + 'static) -> Self {
+        PostError::Refused(SharedError::new(e))
+    }
+}
+
+/// Equal when the same kind of failure has the same message: the sources are kept for their
+/// chain, not compared by identity.
+impl PartialEq for PostError {
+    fn eq(&self, other: &Self) -> bool {
+        use PostError::{CopyPlan, NoWindow, NotifyOnRead, Refused, Staging};
+        match (self, other) {
+            (Refused(a), Refused(b)) | (Staging(a), Staging(b)) | (CopyPlan(a), CopyPlan(b)) => {
+                a == b
+            }
+            (NotifyOnRead, NotifyOnRead) | (NoWindow, NoWindow) => true,
+            _ => false,
+        }
+    }
+}
+
+impl Eq for PostError {}
+
+/// An error kept as a source where the error holding it must stay `Clone` (a connection's
+/// failure is handed to every transfer it ends): shared, not copied into a string.
+#[derive(Clone)]
+pub struct SharedError(Arc<dyn StdError + Send + Sync + 'static>);
+
+impl SharedError {
+    /// Wraps `e`.
+    pub fn new(e: impl StdError + Send + Sync + 'static) -> Self {
+        SharedError(Arc::new(e))
+    }
+
+    /// The error itself.
+    pub fn get(&self) -> &(dyn StdError + Send + Sync + 'static) {
+        &*self.0
+    }
+}
+
+impl fmt::Debug for SharedError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Display for SharedError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+impl StdError for SharedError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        self.0.source()
+    }
+}
+
+impl PartialEq for SharedError {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.0.to_string() == other.0.to_string()
+    }
+}
+
+impl Eq for SharedError {}
 
 /// A fault the device reported through an async event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -296,7 +388,7 @@ pub enum FileError {
         got: u64,
     },
     /// Another I/O error.
-    #[error("{path}: {op} failed: {message}")]
+    #[error("{path}: {op} failed: {source}")]
     Io {
         /// The path.
         path: PathBuf,
@@ -304,8 +396,9 @@ pub enum FileError {
         op: &'static str,
         /// The OS error kind.
         kind: io::ErrorKind,
-        /// The OS error text.
-        message: String,
+        /// The error itself (the OS error, or the runtime's).
+        #[source]
+        source: SharedError,
     },
     /// The file id is unknown (never registered, or closed).
     #[error("unknown file {0:?}")]
@@ -320,4 +413,49 @@ pub enum FileError {
     /// long) while a call from another thread waited on it.
     #[error("the engine's core stopped running (no heartbeat for {0:?})")]
     EngineStalled(Duration),
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+    use crate::harness::Refused;
+
+    #[test]
+    fn post_error_keeps_the_queue_error_as_its_source() {
+        let e = TransferError::Post(PostError::refused(Refused("queue full")));
+        let post = e.source().expect("the post error is the source");
+        let queue = post.source().expect("the queue's error is kept");
+        assert_eq!(
+            queue.downcast_ref::<SharedError>().map(|s| s.to_string()),
+            Some("fake NIC refused: queue full".to_string())
+        );
+        let SharedError(inner) = queue.downcast_ref::<SharedError>().unwrap();
+        assert_eq!(
+            inner.downcast_ref::<Refused>(),
+            Some(&Refused("queue full"))
+        );
+        assert_eq!(
+            e.to_string(),
+            "posting failed: the send queue refused the work request: fake NIC refused: queue full"
+        );
+        // Clones compare equal; different refusals do not.
+        assert_eq!(e.clone(), e);
+        assert_ne!(e, TransferError::Post(PostError::refused(Refused("other"))));
+        assert_ne!(e, TransferError::Post(PostError::NotifyOnRead));
+    }
+
+    #[test]
+    fn file_io_error_keeps_the_os_error() {
+        let e = FileError::Io {
+            path: "/x".into(),
+            op: "read",
+            kind: io::ErrorKind::Other,
+            source: SharedError::new(io::Error::from_raw_os_error(5)),
+        };
+        let src = e.source().and_then(|s| s.downcast_ref::<SharedError>());
+        let os = src.and_then(|s| s.get().downcast_ref::<io::Error>());
+        assert_eq!(os.and_then(io::Error::raw_os_error), Some(5));
+    }
 }

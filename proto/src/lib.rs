@@ -32,7 +32,9 @@ pub use crate::conn::{
 pub use crate::core::{recv_wr_id, Activity, Core, CoreConfig, RECV_BIT};
 pub use crate::deadline::{Deadline, Deadlines};
 pub use crate::desc::{LocalDesc, Op, RegionInfo, RemoteDesc, RemoteDescList};
-pub use crate::error::{DeviceFault, FileError, FileId, InvalidDescriptor, TransferError};
+pub use crate::error::{
+    DeviceFault, FileError, FileId, InvalidDescriptor, PostError, SharedError, TransferError,
+};
 pub use crate::inbox::{Delivery, HeldBuffer, Received};
 pub use crate::inflight::SlotId;
 pub use crate::lone::LoneTransfer;

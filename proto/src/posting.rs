@@ -15,7 +15,7 @@ use crate::conn::{COALESCE_MAX_WRS, COALESCE_SIGNAL_INTERVAL};
 pub const POST_BATCH_INLINE: usize = 64;
 use crate::core::Core;
 use crate::desc::Op;
-use crate::error::TransferError;
+use crate::error::{PostError, TransferError};
 use crate::inflight::{InflightTable, SlotFailure, SlotId};
 use crate::queue::SendQueue;
 use crate::stats::{ConnId, EngineCounters, Progress, TransferOptions};
@@ -350,7 +350,7 @@ impl<Q: SendQueue> Core<Q> {
             // Nothing of a refused batch counts.
             Err(e) => {
                 p.signaled_at.truncate(marks);
-                Err(TransferError::Post(e.to_string()))
+                Err(TransferError::Post(PostError::refused(e)))
             }
         }
     }
@@ -491,7 +491,7 @@ impl<Q: SendQueue> Core<Q> {
             }
         }
         if let Err(e) = c.queue.post(&keeps) {
-            return Err(TransferError::Post(e.to_string()));
+            return Err(TransferError::Post(PostError::refused(e)));
         }
         drop(keeps);
         c.credits.commit(signals);
@@ -637,7 +637,8 @@ pub(crate) fn post_one_signaled<Q: SendQueue>(
     let Some(keep) = inflight.keepalive(slot) else {
         return Err(TransferError::EngineGone);
     };
-    post(&mut c.queue, slot.wr_id(true), keep).map_err(|e| TransferError::Post(e.to_string()))?;
+    post(&mut c.queue, slot.wr_id(true), keep)
+        .map_err(|e| TransferError::Post(PostError::refused(e)))?;
     c.credits.commit_one_signaled();
     inflight.add_signaled(slot, 1);
     counters.work_requests += 1;

@@ -12,7 +12,7 @@ pub trait SendQueue {
     /// What an in-flight slot keeps alive until the NIC is done with it (registered memory).
     type Keep;
     /// A refused post or state change.
-    type Error: std::error::Error + 'static;
+    type Error: std::error::Error + Send + Sync + 'static;
 
     /// The queue pair's number (completions name it).
     fn qpn(&self) -> u32;

@@ -1,6 +1,8 @@
 //! Errors of the runtime.
 
-pub use rixl_proto::error::{DeviceFault, FileError, InvalidDescriptor, TransferError};
+pub use rixl_proto::error::{
+    DeviceFault, FileError, InvalidDescriptor, PostError, SharedError, TransferError,
+};
 
 /// Why an engine could not start or a control operation failed.
 #[derive(Debug, thiserror::Error)]

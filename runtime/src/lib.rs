@@ -26,7 +26,9 @@ pub use engine::{
     Message, PollMode, PreparedTransfer, Progress, Received, TransferFailure, TransferOptions,
     TransferStats,
 };
-pub use error::{DeviceFault, InvalidDescriptor, RuntimeError, TransferError};
+pub use error::{
+    DeviceFault, InvalidDescriptor, PostError, RuntimeError, SharedError, TransferError,
+};
 pub use file::{
     FileConfig, FileCounters, FileDesc, FileError, FileId, FileInfo, FileMode, FileSpec, FileStore,
 };

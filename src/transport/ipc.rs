@@ -9,8 +9,8 @@ use crate::agent::error::AgentError;
 use crate::nvlink::ipc::DeviceRange;
 use crate::nvlink::plan::{copies, CopyPlanError, IpcPaths, IpcPlan};
 use crate::runtime::{
-    EngineHandle, InvalidDescriptor, LocalDescList, Op, RemoteDescList, TransferError,
-    TransferStats,
+    EngineHandle, InvalidDescriptor, LocalDescList, Op, PostError, RemoteDescList, SharedError,
+    TransferError, TransferStats,
 };
 
 use super::Transport;
@@ -57,7 +57,9 @@ impl Transport for IpcTransport<'_> {
                 CopyPlanError::UnknownRegion { region } => {
                     AgentError::unknown_region(r.peer, region)
                 }
-                other => AgentError::Transfer(TransferError::Post(other.to_string())),
+                other => AgentError::Transfer(TransferError::Post(PostError::CopyPlan(
+                    SharedError::new(other),
+                ))),
             },
         )?;
         let n = copies.len();

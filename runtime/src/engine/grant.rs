@@ -19,7 +19,7 @@ use super::nic::KeepAlive;
 use super::wait::{wait_slot, SlotGuard};
 use super::Engine;
 use crate::desc::Region;
-use crate::error::{RuntimeError, TransferError};
+use crate::error::{PostError, RuntimeError, TransferError};
 
 /// What a peer may do with a region through its grant.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -143,7 +143,7 @@ impl Engine {
         for (mut guard, bound, access) in pending {
             wait_slot(&mut guard).await.map_err(RuntimeError::Grant)?;
             let bound = bound.ok_or(RuntimeError::Grant(TransferError::Post(
-                "a bind posted no window".into(),
+                PostError::NoWindow,
             )))?;
             out.push(Grant { bound, access });
         }

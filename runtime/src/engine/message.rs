@@ -12,7 +12,7 @@ use super::transfer::spawn_flush;
 use super::wait::{reap_until, wait_slot, SlotGuard};
 use super::{Engine, Inner};
 use crate::desc::Region;
-use crate::error::{InvalidDescriptor, TransferError};
+use crate::error::{InvalidDescriptor, PostError, SharedError, TransferError};
 
 impl Engine {
     /// Sends a small message (at most `max_message` bytes) with SEND (and optional immediate).
@@ -43,7 +43,7 @@ impl Engine {
         inner
             .msg_region
             .write_at(off, msg)
-            .map_err(|e| TransferError::Post(e.to_string()))?;
+            .map_err(|e| TransferError::Post(PostError::Staging(SharedError::new(e))))?;
         let sge = Sge {
             addr: inner.msg_region.addr() + off,
             length: msg.len() as u32,

@@ -37,7 +37,7 @@ use glommio::GlommioError;
 mod memory;
 
 use crate::desc::{LocalDescList, Op};
-use crate::error::{InvalidDescriptor, TransferError};
+use crate::error::{InvalidDescriptor, SharedError, TransferError};
 use memory::StreamMemory;
 pub use rixl_proto::error::{FileError, FileId};
 
@@ -106,7 +106,7 @@ pub struct FileInfo {
 }
 
 /// A FILE-tier error from an OS error of `op` on `path`.
-fn io_error(path: &Path, op: &'static str, e: &io::Error) -> FileError {
+fn io_error(path: &Path, op: &'static str, e: io::Error) -> FileError {
     match e.kind() {
         io::ErrorKind::NotFound => FileError::NotFound { path: path.into() },
         io::ErrorKind::AlreadyExists => FileError::Exists { path: path.into() },
@@ -118,22 +118,22 @@ fn io_error(path: &Path, op: &'static str, e: &io::Error) -> FileError {
             path: path.into(),
             op,
             kind,
-            message: e.to_string(),
+            source: SharedError::new(e),
         },
     }
 }
 
 /// A FILE-tier error from glommio's error of `op` on `path`.
-fn glommio_error<T>(path: &Path, op: &'static str, e: GlommioError<T>) -> FileError {
+fn glommio_error(path: &Path, op: &'static str, e: GlommioError<()>) -> FileError {
     match e {
         GlommioError::IoError(e) | GlommioError::EnhancedIoError { source: e, .. } => {
-            io_error(path, op, &e)
+            io_error(path, op, e)
         }
         other => FileError::Io {
             path: path.into(),
             op,
             kind: io::ErrorKind::Other,
-            message: other.to_string(),
+            source: SharedError::new(io::Error::from(other)),
         },
     }
 }
@@ -454,14 +454,16 @@ impl FileStore {
             .dma_open(path)
             .await
             .map_err(|e| glommio_error(path, "open", e))?;
-        let probe = std::fs::File::open(path).map_err(|e| io_error(path, "open", &e))?;
-        let meta = probe.metadata().map_err(|e| io_error(path, "stat", &e))?;
+        let probe = std::fs::File::open(path).map_err(|e| io_error(path, "open", e))?;
+        let meta = probe.metadata().map_err(|e| io_error(path, "stat", e))?;
         if meta.ino() != dma.inode() {
             return Err(FileError::Io {
                 path: path.into(),
                 op: "open",
                 kind: io::ErrorKind::Other,
-                message: "the path was replaced while it was being opened".into(),
+                source: SharedError::new(io::Error::other(
+                    "the path was replaced while it was being opened",
+                )),
             });
         }
         let size = if creates {
@@ -663,7 +665,7 @@ impl FileStore {
                 .into())
             }
             Ok(_) => {}
-            Err(e) => return Err(io_error(&file.path, "stat", &e).into()),
+            Err(e) => return Err(io_error(&file.path, "stat", e).into()),
         }
         let mut c = self.counters.get();
         c.transfers += 1;
