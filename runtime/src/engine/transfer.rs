@@ -20,6 +20,41 @@ use crate::desc::{LocalDescList, Region, RemoteDescList};
 use crate::error::{InvalidDescriptor, TransferError};
 use crate::probe::{self, Point};
 
+/// Posts (or queues) the [`LoneTransfer`] `$lone` through the core's lone path, keeping `$region`
+/// (its local region) registered in the new slot, and schedules what follows: the connection's
+/// flush for the first transfer queued in a turn, else the progress task's wake-up for one
+/// posted at once. Then runs `$body` with the [`Posting`] bound to `$posting`; nothing happens
+/// when the core declines the transfer (the caller goes on to the general path).
+///
+/// A macro, not a function, because it is the latency path of both a transfer and a prepared
+/// transfer's post: as an `#[inline(always)]` function returning the posting it cost a 64 B
+/// WRITE's hop 65-95 instructions more (icount of a `write_lat` server), where this expands to
+/// the code the transfer had before it was shared.
+macro_rules! lone_posted {
+    ($inner:expr, $lone:expr, $region:expr, $span:expr, $posting:ident => $body:block) => {
+        let keep = || KeepAlive {
+            regions: smallvec::smallvec![$region.clone()],
+            _message: None,
+        };
+        let posting = $inner.core.borrow_mut().post_lone(&$lone, keep);
+        // A queued one asks for its connection's flush (only the first of a turn gets it).
+        let flush = posting.as_ref().is_some_and(Posting::queued)
+            && $inner.core.borrow_mut().take_flush_request($lone.conn);
+        if let Some($posting) = posting {
+            if let Some(span) = $span {
+                span.record("bytes", $lone.local.len);
+                span.record("wrs", 1);
+            }
+            if flush {
+                spawn_flush($inner, $lone.conn);
+            } else if !$posting.queued() {
+                $inner.kick_progress();
+            }
+            $body
+        }
+    };
+}
+
 /// A READ or WRITE checked and planned once and posted any number of times with
 /// [`Engine::post`] (NIXL's prepared transfer request): a weight broadcast or a fixed KV layout
 /// re-sent every step skips validation and planning on every post after the first.
@@ -38,6 +73,16 @@ pub struct PreparedTransfer {
     descriptors: usize,
     /// The local descriptors' lengths, to name the ones a failed post did not complete.
     lens: Box<[u64]>,
+    /// One descriptor a side in one region, fitting one request: posted as a lone transfer.
+    lone: Option<LoneShape>,
+}
+
+/// What the core's lone path takes of a prepared transfer of one descriptor a side.
+#[derive(Debug, Clone, Copy)]
+struct LoneShape {
+    region: RegionInfo,
+    local: LocalDesc,
+    remote: RemoteDesc,
 }
 
 impl PreparedTransfer {
@@ -193,6 +238,15 @@ impl Engine {
     ) -> Result<PreparedTransfer, TransferError> {
         let mut plan = Plan::default();
         let epoch = check_and_plan(&self.inner, conn, op, local, remote, false, &mut plan)?;
+        // Checked and planned as one request: each post can take the lone path (the core
+        // checks the connection and the fit again, and declines anything else).
+        let lone = one_each(&self.inner, local, remote)
+            .filter(|_| plan.wrs.len() == 1)
+            .map(|(_, region, d, rd)| LoneShape {
+                region,
+                local: *d,
+                remote: *rd,
+            });
         Ok(PreparedTransfer {
             engine: self.inner.id,
             conn,
@@ -202,6 +256,7 @@ impl Engine {
             regions: local.regions().iter().cloned().collect(),
             descriptors: local.len(),
             lens: local.descs().iter().map(|d| d.len).collect(),
+            lone,
         })
     }
 
@@ -385,24 +440,7 @@ async fn transfer_inner(
             remote: rd,
             opts: &opts,
         };
-        let keep = || KeepAlive {
-            regions: smallvec::smallvec![r.clone()],
-            _message: None,
-        };
-        let posting = inner.core.borrow_mut().post_lone(&lone, keep);
-        // A queued one asks for its connection's flush (only the first of a turn gets it).
-        let flush = posting.as_ref().is_some_and(Posting::queued)
-            && inner.core.borrow_mut().take_flush_request(conn);
-        if let Some(posting) = posting {
-            if let Some(span) = span {
-                span.record("bytes", d.len);
-                span.record("wrs", 1);
-            }
-            if flush {
-                spawn_flush(inner, conn);
-            } else if !posting.queued() {
-                inner.kick_progress();
-            }
+        lone_posted!(inner, lone, r, span, posting => {
             let mut guard = SlotGuard {
                 inner: Rc::clone(inner),
                 posting,
@@ -416,7 +454,7 @@ async fn transfer_inner(
             let mut stats = TransferStats::new(d.len, 1, 1, guard.posting.doorbells());
             set_times(&mut stats, t0, t0, posted, clock());
             return Ok(stats);
-        }
+        });
     }
     let mut plan = inner.core.borrow_mut().take_plan();
     if let Err(e) = check_and_plan(
@@ -469,6 +507,31 @@ async fn post_prepared(
         .borrow()
         .check_epoch(p.conn, p.epoch, p.op, opts.notify_imm.is_some())
         .map_err(|e| TransferFailure::before_posting(e, p.descriptors))?;
+    // One request: the lone path, as an unprepared transfer of that shape takes (through the
+    // general path's plan and batch it cost a latency hop about 850 instructions more).
+    if let (Some(l), [r]) = (&p.lone, &p.regions[..]) {
+        let lone = LoneTransfer {
+            conn: p.conn,
+            op: p.op,
+            region: l.region,
+            local: &l.local,
+            remote: &l.remote,
+            opts,
+        };
+        lone_posted!(inner, lone, r, None::<&tracing::Span>, posting => {
+            let mut guard = SlotGuard {
+                inner: Rc::clone(inner),
+                posting,
+            };
+            let posted = clock();
+            wait_slot(&mut guard)
+                .await
+                .map_err(|e| failed(e, &guard, [l.local.len]))?;
+            let mut stats = TransferStats::new(l.local.len, 1, 1, guard.posting.doorbells());
+            set_times(&mut stats, t0, t0, posted, clock());
+            return Ok(stats);
+        });
+    }
     let mut guard = post_plan(inner, p.conn, p.op, &p.plan, &p.regions, opts).await;
     let posted = clock();
     wait_slot(&mut guard)
