@@ -1,6 +1,7 @@
 //! Errors of transfers: rejected descriptors, failed completions, connection and FILE-tier
-//! failures. Plain data (`Clone`, `PartialEq`): a connection's failure is handed to every
-//! transfer it ends.
+//! failures. `Clone` and `PartialEq`, because a connection's failure is handed to every transfer
+//! it ends: an underlying error (a refused post, an OS error) is kept as the source in a
+//! [`SharedError`], shared and compared by its message.
 
 use std::error::Error as StdError;
 use std::fmt;
@@ -158,7 +159,7 @@ pub enum TransferError {
 }
 
 /// Why a transfer could not be posted.
-#[derive(Debug, Clone, thiserror::Error)]
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum PostError {
     /// The send queue refused the work requests (the verb's error, kept as the source).
@@ -185,25 +186,11 @@ impl PostError {
     }
 }
 
-/// Equal when the same kind of failure has the same message: the sources are kept for their
-/// chain, not compared by identity.
-impl PartialEq for PostError {
-    fn eq(&self, other: &Self) -> bool {
-        use PostError::{CopyPlan, NoWindow, NotifyOnRead, Refused, Staging};
-        match (self, other) {
-            (Refused(a), Refused(b)) | (Staging(a), Staging(b)) | (CopyPlan(a), CopyPlan(b)) => {
-                a == b
-            }
-            (NotifyOnRead, NotifyOnRead) | (NoWindow, NoWindow) => true,
-            _ => false,
-        }
-    }
-}
-
-impl Eq for PostError {}
-
 /// An error kept as a source where the error holding it must stay `Clone` (a connection's
-/// failure is handed to every transfer it ends): shared, not copied into a string.
+/// failure is handed to every transfer it ends): shared, not copied into a string. Two are equal
+/// when they are the same error or show the same message. It is transparent in a chain: its
+/// `source` is the inner error's; reach the inner error itself with [`SharedError::get`] (and
+/// `downcast_ref` on that).
 #[derive(Clone)]
 pub struct SharedError(Arc<dyn StdError + Send + Sync + 'static>);
 

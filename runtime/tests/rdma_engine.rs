@@ -649,6 +649,125 @@ fn prepared_transfers_repost_the_same_blocks_and_refuse_stale_use() {
 }
 
 #[test]
+fn prepared_single_descriptor_transfers_post_alone_queued_and_with_a_notification() {
+    if !have_device(
+        "prepared_single_descriptor_transfers_post_alone_queued_and_with_a_notification",
+    ) {
+        return;
+    }
+    on_executor(|| {
+        Box::pin(async {
+            let (engine, mut peer, conn) = engine_with_peer().await;
+            let region = engine.register(REGION).await.expect("register");
+            let (local, remote) = scattered_lists(&region, &peer, 1);
+            let write = engine
+                .prepare(conn, Op::Write, &local, &remote)
+                .expect("prepare write");
+            let read = engine
+                .prepare(conn, Op::Read, &local, &remote)
+                .expect("prepare read");
+            assert_eq!((write.bytes(), write.work_requests()), (BLOCK, 1));
+
+            // Many at once from tasks of the core (one tick; first, while the connection's
+            // coalescing has learned nothing): all but the first are queued for a shared
+            // doorbell, as unprepared transfers of that shape are, and all complete.
+            let write = std::rc::Rc::new(write);
+            let before = engine.counters();
+            let n = 64u64;
+            let tasks: Vec<_> = (0..n)
+                .map(|_| {
+                    let (e, w) = (engine.clone(), std::rc::Rc::clone(&write));
+                    glommio::spawn_local(
+                        async move { e.post(&w, TransferOptions::default()).await },
+                    )
+                })
+                .collect();
+            for t in tasks {
+                assert_eq!(t.await.expect("queued post").bytes, BLOCK);
+            }
+            let after = engine.counters();
+            assert_eq!(after.work_requests - before.work_requests, n);
+            assert!(
+                after.queued - before.queued >= n / 2,
+                "queued for a shared doorbell: {}",
+                after.queued - before.queued
+            );
+            assert!(
+                after.doorbells - before.doorbells < n / 2,
+                "doorbells shared: {}",
+                after.doorbells - before.doorbells
+            );
+            assert_eq!(engine.inflight(), 0);
+            let (queued, doorbells) = (
+                after.queued - before.queued,
+                after.doorbells - before.doorbells,
+            );
+
+            // Alone: the first of its progress turn (the sleep lets the turn pass), posted at
+            // once with its own doorbell, never queued; every round lands.
+            for round in 0..20u64 {
+                glommio::timer::sleep(Duration::from_millis(2)).await;
+                let mut block = vec![0u8; BLOCK as usize];
+                fill(&mut block, 500 + round);
+                region.write_at(local_slot(0) * SLOT, &block).expect("fill");
+                let before = engine.counters();
+                let st = engine
+                    .post(&write, TransferOptions::default())
+                    .await
+                    .expect("post write");
+                let after = engine.counters();
+                assert_eq!((st.bytes, st.descriptors, st.work_requests), (BLOCK, 1, 1));
+                assert_eq!(
+                    (
+                        after.queued - before.queued,
+                        after.doorbells - before.doorbells,
+                        after.work_requests - before.work_requests
+                    ),
+                    (0, 1, 1),
+                    "round {round}: a lone prepared WRITE is posted at once"
+                );
+                let got: u64 = peer.cmd("sum 1").parse().expect("sum");
+                assert_eq!(got, region_sum(&region, 1, local_slot), "round {round}");
+            }
+
+            // With a notification: the peer's receive completion carries the immediate.
+            let mut imm = TransferOptions::default();
+            imm.notify_imm = Some(0xbeef);
+            engine.post(&write, imm).await.expect("post write+imm");
+            assert_eq!(peer.cmd("recv 1"), "imm 0xbeef");
+
+            // The prepared READ of the one block brings the peer's new pattern back.
+            assert_eq!(peer.cmd("fill 913"), "ok");
+            region.write_at(0, &vec![0u8; REGION]).expect("zero");
+            let st = engine
+                .post(&read, TransferOptions::default())
+                .await
+                .expect("post read");
+            assert_eq!((st.bytes, st.work_requests), (BLOCK, 1));
+            let want: u64 = peer.cmd("sum 1").parse().expect("sum");
+            assert_eq!(region_sum(&region, 1, local_slot), want, "prepared READ");
+            // A READ cannot carry a notification: a typed error, nothing posted.
+            let posted = engine.counters().work_requests;
+            let mut imm = TransferOptions::default();
+            imm.notify_imm = Some(1);
+            let r = engine.post(&read, imm).await;
+            assert!(
+                matches!(
+                    r,
+                    Err(TransferError::Post(rixl_runtime::PostError::NotifyOnRead))
+                ),
+                "{r:?}"
+            );
+            assert_eq!(engine.counters().work_requests, posted);
+            report(&format!(
+                "prepared one-descriptor transfers: {n} at once ({queued} queued, {doorbells} doorbells), 20 alone, 1 notified, 1 READ"
+            ));
+            peer.finish();
+        })
+    });
+}
+
+#[test]
 fn prepared_transfers_through_a_handle_repost_from_another_thread() {
     let cfg = config();
     let Some((pool, h, mut peer, conn)) = connected_pool(

@@ -23,8 +23,9 @@ use crate::probe::{self, Point};
 /// Posts (or queues) the [`LoneTransfer`] `$lone` through the core's lone path, keeping `$region`
 /// (its local region) registered in the new slot, and schedules what follows: the connection's
 /// flush for the first transfer queued in a turn, else the progress task's wake-up for one
-/// posted at once. Then runs `$body` with the [`Posting`] bound to `$posting`; nothing happens
-/// when the core declines the transfer (the caller goes on to the general path).
+/// posted at once. Then returns `$body` (the caller's result, evaluated with the [`Posting`]
+/// bound to `$posting`) from the calling function; when the core declines the transfer nothing
+/// happens and the caller goes on to the general path.
 ///
 /// A macro, not a function, because it is the latency path of both a transfer and a prepared
 /// transfer's post: as an `#[inline(always)]` function returning the posting it cost a 64 B
@@ -36,7 +37,9 @@ macro_rules! lone_posted {
             regions: smallvec::smallvec![$region.clone()],
             _message: None,
         };
+        probe::stamp(Point::SlotOpened);
         let posting = $inner.core.borrow_mut().post_lone(&$lone, keep);
+        probe::stamp(Point::Posted);
         // A queued one asks for its connection's flush (only the first of a turn gets it).
         let flush = posting.as_ref().is_some_and(Posting::queued)
             && $inner.core.borrow_mut().take_flush_request($lone.conn);
@@ -50,7 +53,7 @@ macro_rules! lone_posted {
             } else if !$posting.queued() {
                 $inner.kick_progress();
             }
-            $body
+            return $body;
         }
     };
 }
@@ -453,7 +456,7 @@ async fn transfer_inner(
             // The checks are part of the post here.
             let mut stats = TransferStats::new(d.len, 1, 1, guard.posting.doorbells());
             set_times(&mut stats, t0, t0, posted, clock());
-            return Ok(stats);
+            Ok(stats)
         });
     }
     let mut plan = inner.core.borrow_mut().take_plan();
@@ -529,7 +532,7 @@ async fn post_prepared(
                 .map_err(|e| failed(e, &guard, [l.local.len]))?;
             let mut stats = TransferStats::new(l.local.len, 1, 1, guard.posting.doorbells());
             set_times(&mut stats, t0, t0, posted, clock());
-            return Ok(stats);
+            Ok(stats)
         });
     }
     let mut guard = post_plan(inner, p.conn, p.op, &p.plan, &p.regions, opts).await;

@@ -129,12 +129,17 @@ fn glommio_error(path: &Path, op: &'static str, e: GlommioError<()>) -> FileErro
         GlommioError::IoError(e) | GlommioError::EnhancedIoError { source: e, .. } => {
             io_error(path, op, e)
         }
-        other => FileError::Io {
-            path: path.into(),
-            op,
-            kind: io::ErrorKind::Other,
-            source: SharedError::new(io::Error::from(other)),
-        },
+        other => {
+            // glommio's other errors hold a `Box<dyn Any + Send>` (not `Sync`), so they are
+            // kept as the `io::Error` glommio itself converts them to: its kind and message.
+            let e = io::Error::from(other);
+            FileError::Io {
+                path: path.into(),
+                op,
+                kind: e.kind(),
+                source: SharedError::new(e),
+            }
+        }
     }
 }
 

@@ -7,7 +7,10 @@ use rixl::runtime::probe::{self, Point};
 
 use super::cycles::Stopwatch;
 
-/// The spans, in path order: (name, from, to). `None` is the ping's own stamps.
+/// The spans, in path order: (name, from, to). `None` is the ping's own stamps. A lone transfer
+/// (one descriptor a side, one request: every `write_lat` hop, prepared or not) opens its slot
+/// inside the core's one call, so for it the slot and keep-alive fall into the second span
+/// ("credits -> first work request"), and the first covers only the checks before that call.
 const SPANS: [(&str, Option<Point>, Option<Point>); 9] = [
     (
         "pre: ping start -> Engine::transfer/post",
