@@ -27,12 +27,9 @@ use std::cell::Cell;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{mpsc, Arc, OnceLock};
 use std::task::{Context, Poll};
-use std::time::Duration;
-
-use std::sync::mpsc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use atomic_waker::AtomicWaker;
 use futures_lite::future::poll_fn;
